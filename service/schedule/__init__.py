@@ -1,0 +1,25 @@
+"""The epoch schedule: length buckets, token-budget packing, interleaving.
+
+Pure and importable offline::
+
+    from ladle.service.schedule import ScheduleConfig, build_schedule
+    sched = build_schedule(lengths, ScheduleConfig(), epoch=0, world_size=8)
+    sched.samples(step=0, rank=3)
+
+Nothing here imports network, store or web code.
+"""
+
+from .config import ALGORITHM_VERSION, PRODUCTION_BOUNDS, ScheduleConfig
+from .interleave import run_lower_bound
+from .schedule import Dropped, Schedule, build_schedule, resolve_bounds
+
+__all__ = [
+    "ALGORITHM_VERSION",
+    "PRODUCTION_BOUNDS",
+    "Dropped",
+    "Schedule",
+    "ScheduleConfig",
+    "build_schedule",
+    "resolve_bounds",
+    "run_lower_bound",
+]

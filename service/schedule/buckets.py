@@ -1,0 +1,95 @@
+"""Assigning samples to length buckets, and choosing bucket edges automatically.
+
+Assignment is one table look-up per sample (a bucket id for every possible
+length), so it costs a gather, not a binary search. ``auto_bounds`` finds the K
+edges that minimise the tokens padded when every sample is padded to the
+longest length of its bucket, by dynamic programming over at most
+``MAX_CANDIDATES`` candidate edges taken from the sorted length histogram.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import numpy.typing as npt
+
+__all__ = ["MAX_CANDIDATES", "assign_buckets", "auto_bounds", "quantile_bounds"]
+
+MAX_CANDIDATES = 512
+
+
+def assign_buckets(lengths: npt.NDArray[np.integer], bounds: tuple[int, ...]) -> npt.NDArray[np.int16]:
+    """Bucket id of every length (lengths already within ``[bounds[0], bounds[-1])``)."""
+    edges = np.asarray(bounds, dtype=np.int64)
+    table = (np.searchsorted(edges, np.arange(int(edges[-1]), dtype=np.int64), side="right") - 1).astype(
+        np.int16
+    )
+    return table[lengths]
+
+
+def _round_up(values: npt.NDArray[np.int64], multiple: int) -> npt.NDArray[np.int64]:
+    return -(-values // multiple) * multiple
+
+
+def auto_bounds(
+    lengths: npt.NDArray[np.integer], num_buckets: int, max_seq_len: int, pad_to_multiple_of: int = 1
+) -> tuple[int, ...]:
+    """Edges ``(0, e1, ..., max_seq_len + 1)`` that minimise pad-to-bucket-max tokens.
+
+    Lengths are expected already cut to ``max_seq_len``. Fewer buckets come out
+    when there are fewer distinct lengths than ``num_buckets``.
+    """
+    hist = np.bincount(np.asarray(lengths, dtype=np.int64), minlength=max_seq_len + 1)
+    values = np.flatnonzero(hist)
+    if len(values) == 0:
+        return (0, max_seq_len + 1)
+    counts = hist[values]
+    if len(values) > MAX_CANDIDATES:
+        # Keep the candidate edges where the cumulative count crosses evenly
+        # spaced quantiles, and always the largest length.
+        cum = np.cumsum(counts)
+        marks = np.searchsorted(cum, np.linspace(0, cum[-1], MAX_CANDIDATES + 1)[1:], side="left")
+        keep = np.unique(np.r_[marks, len(values) - 1])
+        group_end = keep
+        group_counts = np.diff(np.r_[0, cum[group_end]])
+        weighted = np.cumsum(counts * values)
+        group_sums = np.diff(np.r_[0, weighted[group_end]])
+        values, counts, sums = values[group_end], group_counts, group_sums
+    else:
+        sums = counts * values
+    padded_value = _round_up(values.astype(np.int64), pad_to_multiple_of)
+    cum_n = np.r_[0, np.cumsum(counts)].astype(np.float64)
+    cum_s = np.r_[0, np.cumsum(sums)].astype(np.float64)
+    v = len(values)
+    k_max = min(num_buckets, v)
+    # cost[i, j]: candidates i..j-1 in one bucket, padded to candidate j-1.
+    i = np.arange(v + 1)[:, None]
+    j = np.arange(v + 1)[None, :]
+    top = padded_value[np.maximum(j - 1, 0)]
+    cost = (cum_n[j] - cum_n[i]) * top - (cum_s[j] - cum_s[i])
+    cost = np.where(i < j, cost, np.inf)
+    best = np.full(v + 1, np.inf)
+    best[0] = 0.0
+    choice = np.zeros((k_max + 1, v + 1), dtype=np.int64)
+    for k in range(1, k_max + 1):
+        total = best[:, None] + cost
+        choice[k] = np.argmin(total, axis=0)
+        best = total[choice[k], np.arange(v + 1)]
+    # walk back from the full range with k_max buckets
+    edges = [max_seq_len + 1]
+    j = v
+    for k in range(k_max, 0, -1):
+        i = int(choice[k, j])
+        if i > 0:
+            edges.append(int(values[i - 1]) + 1)
+        j = i
+        if j == 0:
+            break
+    edges.append(0)
+    return tuple(sorted(set(edges)))
+
+
+def quantile_bounds(lengths: npt.NDArray[np.integer], num_buckets: int, max_seq_len: int) -> tuple[int, ...]:
+    """Edges at equal-count quantiles of the lengths (the simple baseline for ``auto``)."""
+    qs = np.quantile(np.asarray(lengths), np.linspace(0, 1, num_buckets + 1)[1:-1])
+    inner = sorted({int(q) + 1 for q in qs if 0 < int(q) + 1 <= max_seq_len})
+    return (0, *inner, max_seq_len + 1)

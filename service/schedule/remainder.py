@@ -1,0 +1,82 @@
+"""Making the batch count fit the world size, so every rank gets the same steps (guarantee 2).
+
+``split`` (the default) halves the largest batches until the count is a
+multiple of the world size (per bucket in ``sync`` mode, where a step is one
+bucket), so nothing is lost; a half never exceeds the budget of the batch it
+came from. When there are too few rows left to give every rank a batch, it
+falls back to ``drop``. ``drop`` removes the smallest leftover batches and
+reports their rows with the reason ``"remainder"``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import numpy.typing as npt
+
+from .packing import Packed
+
+__all__ = ["fit_to_world"]
+
+I64 = npt.NDArray[np.int64]
+
+
+def _split_largest(packed: Packed, members: I64, splits: int) -> tuple[list[int], list[int]]:
+    """Halve the largest of ``members`` ``splits`` times; returns new (start, size) pairs."""
+    start = packed.start
+    size = packed.size
+    sizes = {int(i): int(size[i]) for i in members}
+    starts = {int(i): int(start[i]) for i in members}
+    next_id = -1
+    for _ in range(splits):
+        victim = max(sizes, key=lambda i: (sizes[i], -starts[i]))
+        half = sizes[victim] // 2
+        sizes[next_id] = sizes[victim] - half
+        starts[next_id] = starts[victim] + half
+        sizes[victim] = half
+        next_id -= 1
+    ordered = sorted(sizes, key=lambda i: starts[i])
+    return [starts[i] for i in ordered], [sizes[i] for i in ordered]
+
+
+def fit_to_world(
+    packed: Packed, num_buckets: int, world_size: int, rank_mode: str, policy: str, pad: int
+) -> tuple[Packed, I64]:
+    """Return batches whose count fits ``world_size`` and the rows dropped doing it."""
+    if rank_mode == "sync":
+        groups = [np.flatnonzero(packed.bucket == b) for b in range(num_buckets)]
+    else:
+        groups = [np.arange(packed.num_batches)]
+    keep_start: list[I64] = []
+    keep_size: list[I64] = []
+    dropped: list[I64] = []
+    for members in groups:
+        count = len(members)
+        short = (-count) % world_size
+        rows_here = int(packed.size[members].sum())
+        if short == 0:
+            keep_start.append(packed.start[members])
+            keep_size.append(packed.size[members])
+        elif policy == "split" and rows_here >= count + short:
+            starts, sizes = _split_largest(packed, members, short)
+            keep_start.append(np.asarray(starts, dtype=np.int64))
+            keep_size.append(np.asarray(sizes, dtype=np.int64))
+        else:
+            extra = count % world_size
+            order = np.lexsort((-members, packed.size[members]))  # smallest first, later first
+            gone = members[order[:extra]]
+            kept = np.sort(members[order[extra:]])
+            keep_start.append(packed.start[kept])
+            keep_size.append(packed.size[kept])
+            for g in gone:
+                dropped.append(packed.rows[packed.start[g] : packed.start[g] + packed.size[g]])
+    start = np.concatenate(keep_start) if keep_start else np.empty(0, np.int64)
+    size = np.concatenate(keep_size) if keep_size else np.empty(0, np.int64)
+    order = np.argsort(start, kind="stable")
+    start, size = start[order], size[order]
+    last = start + size - 1
+    padded = -(-packed.lengths[last] // pad) * pad
+    # the bucket of a row slice is the bucket of the batch it came from
+    bucket_of_pos = np.repeat(packed.bucket, packed.size)
+    fitted = Packed(packed.rows, packed.lengths, start, size, bucket_of_pos[start], padded)
+    dropped_rows = np.sort(np.concatenate(dropped)) if dropped else np.empty(0, np.int64)
+    return fitted, dropped_rows

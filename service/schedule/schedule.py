@@ -1,0 +1,278 @@
+"""``build_schedule``: the epoch schedule as a pure function.
+
+The schedule of an epoch depends only on (the sample lengths, the config, the
+epoch, the world size); the same inputs give byte-identical batches in every
+process (guarantee 5). Steps: cut or drop over-long samples, assign buckets,
+pack each bucket under the token budget, fit the batch count to the world
+size, interleave buckets across steps and ranks, and deal each bucket's
+batches (in a seeded order) to the cells the interleaving gave it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+
+import numpy as np
+import numpy.typing as npt
+
+from ..errors import ConfigError, OverlongSampleError, ScheduleError
+from ._seeds import STAGE_RANDOM_INTERLEAVE, generator
+from .buckets import assign_buckets, auto_bounds
+from .config import ALGORITHM_VERSION, ScheduleConfig
+from .interleave import interleave_1d, interleave_grid, random_grid
+from .packing import Packed, batch_order, pack
+from .remainder import fit_to_world
+
+__all__ = ["Dropped", "Schedule", "build_schedule", "resolve_bounds"]
+
+I64 = npt.NDArray[np.int64]
+
+
+@dataclass(frozen=True)
+class Dropped:
+    """Rows left out of an epoch on purpose, by reason (``overlong``, ``remainder``)."""
+
+    by_reason: Mapping[str, I64] = field(default_factory=dict)
+
+    @property
+    def rows(self) -> I64:
+        """All dropped row indices, sorted."""
+        parts = list(self.by_reason.values())
+        return np.sort(np.concatenate(parts)) if parts else np.empty(0, dtype=np.int64)
+
+    @property
+    def counts(self) -> dict[str, int]:
+        return {reason: len(rows) for reason, rows in self.by_reason.items()}
+
+    def __len__(self) -> int:
+        return sum(self.counts.values())
+
+
+class Schedule:
+    """One epoch's batches for ``world_size`` ranks.
+
+    ``buckets[step, rank]`` is the bucket of the batch that ``rank`` trains on at
+    ``step``; ``samples(step, rank)`` are its row indices in row order.
+    """
+
+    def __init__(
+        self,
+        *,
+        config: ScheduleConfig,
+        epoch: int,
+        world_size: int,
+        bounds: tuple[int, ...],
+        num_rows: int,
+        packed: Packed,
+        batch_ids: I64,
+        dropped: Dropped,
+    ) -> None:
+        self.config = config
+        self.epoch = epoch
+        self.world_size = world_size
+        self.bounds = bounds
+        self.num_rows = num_rows
+        self._packed = packed
+        self.batch_ids = batch_ids
+        self.dropped = dropped
+        self.buckets: I64 = packed.bucket[batch_ids] if batch_ids.size else np.empty((0, world_size), np.int64)
+        self.buckets.setflags(write=False)
+        self.batch_ids.setflags(write=False)
+
+    # --- shape ---
+
+    @property
+    def num_steps(self) -> int:
+        return int(self.batch_ids.shape[0])
+
+    @property
+    def num_buckets(self) -> int:
+        return len(self.bounds) - 1
+
+    @property
+    def num_batches(self) -> int:
+        return int(self.batch_ids.size)
+
+    # --- one batch ---
+
+    def _batch(self, step: int, rank: int) -> int:
+        if not 0 <= step < self.num_steps:
+            raise IndexError(f"step {step} outside 0..{self.num_steps - 1}")
+        if not 0 <= rank < self.world_size:
+            raise IndexError(f"rank {rank} outside 0..{self.world_size - 1}")
+        return int(self.batch_ids[step, rank])
+
+    def samples(self, step: int, rank: int) -> I64:
+        """Row indices of the batch of ``rank`` at ``step``, in row order."""
+        b = self._batch(step, rank)
+        start = int(self._packed.start[b])
+        return np.sort(self._packed.rows[start : start + int(self._packed.size[b])])
+
+    def lengths(self, step: int, rank: int) -> I64:
+        """Cut lengths of ``samples(step, rank)``, in the same order."""
+        b = self._batch(step, rank)
+        start = int(self._packed.start[b])
+        rows = self._packed.rows[start : start + int(self._packed.size[b])]
+        order = np.argsort(rows)
+        return self._packed.lengths[start : start + int(self._packed.size[b])][order]
+
+    def padded_len(self, step: int, rank: int) -> int:
+        return int(self._packed.padded_len[self._batch(step, rank)])
+
+    def bucket(self, step: int, rank: int) -> int:
+        return int(self.buckets[step, rank])
+
+    # --- whole-epoch views (vectorised, for statistics) ---
+
+    def batch_rows(self) -> I64:
+        """Rows per batch, ``[num_steps, world_size]``."""
+        return self._packed.size[self.batch_ids]
+
+    def batch_padded_len(self) -> I64:
+        return self._packed.padded_len[self.batch_ids]
+
+    def batch_real_tokens(self) -> I64:
+        """Real (unpadded, cut) tokens per batch, ``[num_steps, world_size]``."""
+        cum = np.r_[0, np.cumsum(self._packed.lengths)]
+        start = self._packed.start
+        totals = cum[start + self._packed.size] - cum[start]
+        return totals[self.batch_ids]
+
+    def scheduled_rows(self) -> I64:
+        """Every row that is in some batch of this epoch (unsorted, each once)."""
+        start = self._packed.start[self.batch_ids.ravel()]
+        size = self._packed.size[self.batch_ids.ravel()]
+        if len(start) == 0:
+            return np.empty(0, dtype=np.int64)
+        offsets = np.repeat(start - np.r_[0, np.cumsum(size)[:-1]], size)
+        return self._packed.rows[np.arange(int(size.sum())) + offsets]
+
+    def content_hash(self) -> str:
+        """A hash of every batch's rows, in step and rank order (golden tests, replicas)."""
+        h = hashlib.sha256()
+        h.update(f"v{ALGORITHM_VERSION}:{self.world_size}:{self.num_steps}:".encode())
+        h.update(np.ascontiguousarray(self.batch_rows(), dtype="<i8").tobytes())
+        h.update(np.ascontiguousarray(self.scheduled_rows(), dtype="<i8").tobytes())
+        h.update(np.ascontiguousarray(self.batch_padded_len(), dtype="<i8").tobytes())
+        return h.hexdigest()[:16]
+
+    def __repr__(self) -> str:
+        return (
+            f"Schedule(epoch={self.epoch}, world_size={self.world_size}, steps={self.num_steps}, "
+            f"buckets={self.num_buckets}, dropped={self.dropped.counts})"
+        )
+
+
+def _as_lengths(lengths: npt.ArrayLike) -> I64:
+    arr = np.asarray(lengths)
+    if arr.ndim != 1:
+        raise ScheduleError(f"lengths: expected a 1-D array, got shape {arr.shape}")
+    if arr.size and not np.issubdtype(arr.dtype, np.integer):
+        raise ScheduleError(f"lengths: expected integers, got dtype {arr.dtype}")
+    out = arr.astype(np.int64, copy=False)
+    if out.size and int(out.min()) <= 0:
+        bad = np.flatnonzero(out <= 0)
+        raise ScheduleError(
+            f"lengths: {len(bad)} sample(s) have non-positive length (first rows: {bad[:5].tolist()})"
+        )
+    return out
+
+
+def resolve_bounds(lengths: npt.ArrayLike, config: ScheduleConfig) -> tuple[int, ...]:
+    """The bucket edges ``config`` means for these lengths (``auto`` is computed here)."""
+    if config.bucket_bounds != "auto":
+        return tuple(config.bucket_bounds)
+    cut = np.minimum(_as_lengths(lengths), config.max_seq_len)
+    return auto_bounds(cut, config.num_buckets, config.max_seq_len, config.pad_to_multiple_of)
+
+
+def build_schedule(
+    lengths: npt.ArrayLike, config: ScheduleConfig, *, epoch: int = 0, world_size: int = 1
+) -> Schedule:
+    """The schedule of ``epoch`` for ``world_size`` ranks over samples of these lengths."""
+    if not isinstance(world_size, int | np.integer) or world_size < 1:
+        raise ConfigError("world_size", f"must be a positive integer, got {world_size!r}")
+    if not isinstance(epoch, int | np.integer) or epoch < 0:
+        raise ConfigError("epoch", f"must be a non-negative integer, got {epoch!r}")
+    world_size, epoch = int(world_size), int(epoch)
+    lens = _as_lengths(lengths)
+    if lens.size == 0:
+        raise ScheduleError("lengths: the dataset is empty")
+    num_rows = len(lens)
+    dropped: dict[str, I64] = {}
+
+    over = lens > config.max_seq_len
+    rows: I64
+    if over.any():
+        if config.overlong == "error":
+            bad = np.flatnonzero(over)
+            raise OverlongSampleError(len(bad), bad[:5].tolist(), config.max_seq_len)
+        if config.overlong == "drop":
+            dropped["overlong"] = np.flatnonzero(over)
+            rows = np.flatnonzero(~over)
+            cut = lens[rows]
+        else:
+            rows = np.arange(num_rows, dtype=np.int64)
+            cut = np.minimum(lens, config.max_seq_len)
+    else:
+        rows = np.arange(num_rows, dtype=np.int64)
+        cut = lens
+    if len(rows) == 0:
+        raise ScheduleError("every sample was dropped as over-long; nothing to schedule")
+
+    bounds = resolve_bounds(cut, config) if config.bucket_bounds == "auto" else tuple(config.bucket_bounds)
+    num_buckets = len(bounds) - 1
+    bucket_ids = assign_buckets(cut, bounds)
+    packed = pack(rows, cut, bucket_ids, num_buckets, config, epoch, num_rows)
+    del bucket_ids
+    packed, lost = fit_to_world(
+        packed, num_buckets, world_size, config.rank_mode, config.remainder, config.pad_to_multiple_of
+    )
+    if len(lost):
+        dropped["remainder"] = lost
+    if packed.num_batches == 0:
+        raise ScheduleError(
+            f"no complete step: {len(rows)} row(s) cannot give each of {world_size} ranks a batch"
+            + (" of one bucket (rank_mode='sync')" if config.rank_mode == "sync" else "")
+        )
+
+    counts = np.bincount(packed.bucket, minlength=num_buckets)
+    grid = _interleave(counts, config, epoch, world_size)
+    batch_ids = _deal(grid, batch_order(packed, num_buckets, config, epoch))
+    return Schedule(
+        config=config,
+        epoch=epoch,
+        world_size=world_size,
+        bounds=bounds,
+        num_rows=num_rows,
+        packed=packed,
+        batch_ids=batch_ids,
+        dropped=Dropped(MappingProxyType(dropped)),
+    )
+
+
+def _interleave(counts: I64, config: ScheduleConfig, epoch: int, world_size: int) -> I64:
+    """The bucket of every (step, rank) cell."""
+    if config.rank_mode == "sync":
+        per_step = counts // world_size
+        if config.interleave == "random":
+            steps = np.repeat(np.arange(len(counts), dtype=np.int64), per_step)
+            generator(config.seed, epoch, STAGE_RANDOM_INTERLEAVE).shuffle(steps)
+        else:
+            steps = interleave_1d(per_step)
+        return np.repeat(steps[:, None], world_size, axis=1)
+    if config.interleave == "random":
+        return random_grid(counts, world_size, generator(config.seed, epoch, STAGE_RANDOM_INTERLEAVE))
+    return interleave_grid(counts, world_size)
+
+
+def _deal(grid: I64, queues: list[I64]) -> I64:
+    """Give each cell the next batch of its bucket's queue, in step-then-rank order."""
+    flat = grid.ravel()
+    order = np.argsort(flat, kind="stable")
+    ids = np.empty_like(flat)
+    ids[order] = np.concatenate(queues)
+    return ids.reshape(grid.shape)
