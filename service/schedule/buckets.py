@@ -31,10 +31,23 @@ def _round_up(values: npt.NDArray[np.int64], multiple: int) -> npt.NDArray[np.in
 
 
 def auto_bounds(
-    lengths: npt.NDArray[np.integer], num_buckets: int, max_seq_len: int, pad_to_multiple_of: int = 1
+    lengths: npt.NDArray[np.integer],
+    num_buckets: int,
+    max_seq_len: int,
+    pad_to_multiple_of: int = 1,
+    *,
+    token_budget: int | None = None,
+    max_batch_size: int | None = None,
+    objective: str = "sorted_chunks",
 ) -> tuple[int, ...]:
-    """Edges ``(0, e1, ..., max_seq_len + 1)`` that minimise pad-to-bucket-max tokens.
+    """Edges ``(0, e1, ..., max_seq_len + 1)`` minimising expected padded tokens.
 
+    ``objective="pad_to_max"``: every sample padded to the longest length of its
+    bucket (the classic model). ``objective="sorted_chunks"`` (default) models
+    ladle's packer: rows are sorted inside random chunks of a fixed size, so a
+    chunk spans its whole bucket and the padding of a sample of length x is
+    proportional to the bucket's share of rows times the rows a batch holds at
+    x, integrated over the bucket: cost = P(bucket) * sum_x rows_per_batch(x).
     Lengths are expected already cut to ``max_seq_len``. Fewer buckets come out
     when there are fewer distinct lengths than ``num_buckets``.
     """
@@ -43,30 +56,39 @@ def auto_bounds(
     if len(values) == 0:
         return (0, max_seq_len + 1)
     counts = hist[values]
+    sums = counts * values
     if len(values) > MAX_CANDIDATES:
         # Keep the candidate edges where the cumulative count crosses evenly
         # spaced quantiles, and always the largest length.
         cum = np.cumsum(counts)
         marks = np.searchsorted(cum, np.linspace(0, cum[-1], MAX_CANDIDATES + 1)[1:], side="left")
         keep = np.unique(np.r_[marks, len(values) - 1])
-        group_end = keep
-        group_counts = np.diff(np.r_[0, cum[group_end]])
-        weighted = np.cumsum(counts * values)
-        group_sums = np.diff(np.r_[0, weighted[group_end]])
-        values, counts, sums = values[group_end], group_counts, group_sums
-    else:
-        sums = counts * values
-    padded_value = _round_up(values.astype(np.int64), pad_to_multiple_of)
-    cum_n = np.r_[0, np.cumsum(counts)].astype(np.float64)
-    cum_s = np.r_[0, np.cumsum(sums)].astype(np.float64)
+        counts = np.diff(np.r_[0, cum[keep]])
+        sums = np.diff(np.r_[0, np.cumsum(sums)[keep]])
+        values = values[keep]
     v = len(values)
-    k_max = min(num_buckets, v)
-    # cost[i, j]: candidates i..j-1 in one bucket, padded to candidate j-1.
+    cum_n = np.r_[0, np.cumsum(counts)].astype(np.float64)
     i = np.arange(v + 1)[:, None]
     j = np.arange(v + 1)[None, :]
-    top = padded_value[np.maximum(j - 1, 0)]
-    cost = (cum_n[j] - cum_n[i]) * top - (cum_s[j] - cum_s[i])
+    if objective == "pad_to_max":
+        cum_s = np.r_[0, np.cumsum(sums)].astype(np.float64)
+        top = _round_up(values.astype(np.int64), pad_to_multiple_of)[np.maximum(j - 1, 0)]
+        cost = (cum_n[j] - cum_n[i]) * top - (cum_s[j] - cum_s[i])
+    elif objective == "sorted_chunks":
+        budget = token_budget or max_seq_len
+        rows_cap = max_batch_size or budget
+        every = np.arange(max_seq_len + 2, dtype=np.int64)
+        rows_at = np.minimum(rows_cap, budget // np.maximum(_round_up(every, pad_to_multiple_of), 1))
+        cum_rows = np.r_[0, np.cumsum(rows_at)].astype(np.float64)
+        # bucket of candidates i..j-1 spans lengths (values[i-1], values[j-1]]
+        lo = np.r_[0, values + 1]
+        hi = np.r_[0, values + 1]
+        width_rows = cum_rows[hi[j]] - cum_rows[lo[i]]
+        cost = (cum_n[j] - cum_n[i]) * width_rows
+    else:
+        raise ValueError(f"unknown objective {objective!r}")
     cost = np.where(i < j, cost, np.inf)
+    k_max = min(num_buckets, v)
     best = np.full(v + 1, np.inf)
     best[0] = 0.0
     choice = np.zeros((k_max + 1, v + 1), dtype=np.int64)
@@ -74,15 +96,14 @@ def auto_bounds(
         total = best[:, None] + cost
         choice[k] = np.argmin(total, axis=0)
         best = total[choice[k], np.arange(v + 1)]
-    # walk back from the full range with k_max buckets
     edges = [max_seq_len + 1]
-    j = v
+    jj = v
     for k in range(k_max, 0, -1):
-        i = int(choice[k, j])
-        if i > 0:
-            edges.append(int(values[i - 1]) + 1)
-        j = i
-        if j == 0:
+        ii = int(choice[k, jj])
+        if ii > 0:
+            edges.append(int(values[ii - 1]) + 1)
+        jj = ii
+        if jj == 0:
             break
     edges.append(0)
     return tuple(sorted(set(edges)))

@@ -28,7 +28,6 @@ import numpy.typing as npt
 __all__ = [
     "interleave_1d",
     "interleave_grid",
-    "random_grid",
     "run_lower_bound",
 ]
 
@@ -151,11 +150,3 @@ def interleave_grid(counts: npt.ArrayLike, world_size: int) -> IntArray:
             row[r] = best
         grid[t] = row
     return grid
-
-
-def random_grid(counts: npt.ArrayLike, world_size: int, rng: np.random.Generator) -> IntArray:
-    """The naive baseline: all batches shuffled uniformly, dealt to ranks step by step."""
-    c = np.asarray(counts, dtype=np.int64)
-    items = np.repeat(np.arange(len(c), dtype=np.int64), c)
-    rng.shuffle(items)
-    return items.reshape(-1, world_size)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from ._seeds import STAGE_BATCH_ORDER, STAGE_CHUNKS, generator
+from ._seeds import STAGE_BATCH_ORDER, STAGE_CHUNKS, permutation, random_u64
 from .config import ScheduleConfig
 
 __all__ = ["Packed", "pack"]
@@ -61,8 +61,7 @@ def _sorted_rows(
     b = buckets.astype(np.int64)
     per_bucket = np.bincount(b, minlength=num_buckets)
     chunks = np.maximum(1, -(-per_bucket // config.sort_chunk))
-    rng = generator(config.seed, epoch, STAGE_CHUNKS)
-    draw = rng.integers(0, 1 << 32, size=n, dtype=np.uint64)
+    draw = random_u64(n, config.seed, epoch, STAGE_CHUNKS) >> np.uint64(32)
     chunk = ((draw * chunks[b].astype(np.uint64)) >> np.uint64(32)).astype(np.int64)
     row_bits = _bits(num_rows_total)
     len_bits = _bits(int(config.max_seq_len))
@@ -139,6 +138,5 @@ def batch_order(packed: Packed, num_buckets: int, config: ScheduleConfig, epoch:
     for b in range(num_buckets):
         ids = by_bucket[offset : offset + counts[b]].astype(np.int64)
         offset += counts[b]
-        generator(config.seed, epoch, STAGE_BATCH_ORDER, b).shuffle(ids)
-        out.append(ids)
+        out.append(ids[permutation(len(ids), config.seed, epoch, STAGE_BATCH_ORDER, b)])
     return out

@@ -19,10 +19,10 @@ import numpy as np
 import numpy.typing as npt
 
 from ..errors import ConfigError, OverlongSampleError, ScheduleError
-from ._seeds import STAGE_RANDOM_INTERLEAVE, generator
-from .buckets import assign_buckets, auto_bounds
+from ._seeds import STAGE_RANDOM_INTERLEAVE, permutation
+from .buckets import assign_buckets, auto_bounds, quantile_bounds
 from .config import ALGORITHM_VERSION, ScheduleConfig
-from .interleave import interleave_1d, interleave_grid, random_grid
+from .interleave import interleave_1d, interleave_grid
 from .packing import Packed, batch_order, pack
 from .remainder import fit_to_world
 
@@ -182,11 +182,35 @@ def _as_lengths(lengths: npt.ArrayLike) -> I64:
 
 
 def resolve_bounds(lengths: npt.ArrayLike, config: ScheduleConfig) -> tuple[int, ...]:
-    """The bucket edges ``config`` means for these lengths (``auto`` is computed here)."""
+    """The bucket edges ``config`` means for these lengths.
+
+    ``auto`` tries a few candidate edge sets (expected padding under ladle's
+    packer, pad-to-bucket-max, equal-count quantiles), packs epoch 0 with each
+    and keeps the one that pads least, so it is never worse than quantiles.
+    The edges depend on the lengths and the config only, never on the epoch.
+    """
     if config.bucket_bounds != "auto":
         return tuple(config.bucket_bounds)
     cut = np.minimum(_as_lengths(lengths), config.max_seq_len)
-    return auto_bounds(cut, config.num_buckets, config.max_seq_len, config.pad_to_multiple_of)
+    shape = {
+        "num_buckets": config.num_buckets,
+        "max_seq_len": config.max_seq_len,
+        "pad_to_multiple_of": config.pad_to_multiple_of,
+    }
+    candidates = [
+        auto_bounds(cut, **shape, token_budget=config.token_budget, max_batch_size=config.max_batch_size),
+        auto_bounds(cut, **shape, objective="pad_to_max"),
+        quantile_bounds(cut, config.num_buckets, config.max_seq_len),
+    ]
+    rows = np.arange(len(cut), dtype=np.int64)
+    best: tuple[float, tuple[int, ...]] | None = None
+    for bounds in dict.fromkeys(candidates):
+        packed = pack(rows, cut, assign_buckets(cut, bounds), len(bounds) - 1, config, 0, len(cut))
+        padded = float((packed.size * packed.padded_len).sum())
+        if best is None or padded < best[0]:
+            best = (padded, bounds)
+    assert best is not None
+    return best[1]
 
 
 def build_schedule(
@@ -260,12 +284,14 @@ def _interleave(counts: I64, config: ScheduleConfig, epoch: int, world_size: int
         per_step = counts // world_size
         if config.interleave == "random":
             steps = np.repeat(np.arange(len(counts), dtype=np.int64), per_step)
-            generator(config.seed, epoch, STAGE_RANDOM_INTERLEAVE).shuffle(steps)
+            steps = steps[permutation(len(steps), config.seed, epoch, STAGE_RANDOM_INTERLEAVE)]
         else:
             steps = interleave_1d(per_step)
         return np.repeat(steps[:, None], world_size, axis=1)
     if config.interleave == "random":
-        return random_grid(counts, world_size, generator(config.seed, epoch, STAGE_RANDOM_INTERLEAVE))
+        items = np.repeat(np.arange(len(counts), dtype=np.int64), counts)
+        items = items[permutation(len(items), config.seed, epoch, STAGE_RANDOM_INTERLEAVE)]
+        return items.reshape(-1, world_size)
     return interleave_grid(counts, world_size)
 
 

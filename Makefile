@@ -1,0 +1,48 @@
+# The two commands of the README: `make demo` and `make test`. Both set up
+# .venv themselves (Python 3.11+, pip), so they work on a fresh machine.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+DATA := data
+SAMPLE := $(DATA)/sample
+DEMO_ROWS ?= 200000
+
+.PHONY: setup demo test lint typecheck unit bench bench-full clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+# Make a production-like sample dataset once, then plan it for 8 ranks beside
+# a naive random shuffle, with the simulated loss ladder.
+demo: setup
+	test -d $(SAMPLE) || $(BIN)/ladle make-dataset $(SAMPLE) --rows $(DEMO_ROWS) --seed 0
+	$(BIN)/ladle plan $(SAMPLE) --world-size 8 --compare random --simulate-loss
+
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+typecheck: setup
+	$(BIN)/mypy
+
+unit: setup
+	$(BIN)/python -m pytest
+
+# Everything CI runs: lint, types, the whole test suite (hypothesis in its
+# short CI profile when CI=true).
+test: lint typecheck unit
+
+bench: setup
+	$(BIN)/python -m benchmarks.run
+
+bench-full: setup
+	$(BIN)/python -m benchmarks.run --full
+
+clean:
+	rm -rf $(VENV) $(DATA) build *.egg-info .mypy_cache .pytest_cache .ruff_cache .hypothesis

@@ -1,0 +1,213 @@
+"""The ``ladle`` command line: ``plan`` and ``make-dataset`` (``serve`` and ``demo`` come later).
+
+Every command takes the same schedule options, from flags or a TOML file
+(``--config``; flags win). Errors a user can cause print one line and exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any, get_args
+
+from .errors import LadleError
+from .schedule import ScheduleConfig, build_schedule
+from .schedule.stats import LossFigures, Quality, bucket_table, quality, simulate_loss, summary
+
+__all__ = ["build_parser", "main"]
+
+
+def _add_config_options(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("schedule options (also settable in --config FILE)")
+    group.add_argument("--config", metavar="FILE", help="TOML file with a [schedule] table")
+    for name, info in ScheduleConfig.model_fields.items():
+        flag = "--" + name.replace("_", "-")
+        choices = [c for c in get_args(info.annotation) if isinstance(c, str)]
+        if name == "bucket_bounds":
+            group.add_argument(flag, metavar="EDGES|auto", help="comma-separated edges, or 'auto'")
+        elif choices and all(isinstance(c, str) for c in get_args(info.annotation)):
+            group.add_argument(flag, choices=choices, help=f"default: {info.default}")
+        else:
+            group.add_argument(flag, type=int, metavar="N", help=info.description or f"default: {info.default}")
+
+
+def config_from_args(args: argparse.Namespace) -> ScheduleConfig:
+    """The validated config from ``--config`` and the flags given (flags win)."""
+    overrides: dict[str, Any] = {
+        name: getattr(args, name) for name in ScheduleConfig.model_fields if getattr(args, name, None) is not None
+    }
+    if getattr(args, "config", None):
+        return ScheduleConfig.from_toml(args.config, overrides)
+    return ScheduleConfig.from_mapping(overrides)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ladle", description=__doc__.splitlines()[0] if __doc__ else None)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    plan = sub.add_parser("plan", help="print the per-bucket table and the schedule's quality figures")
+    plan.add_argument("dataset", help="a dataset folder written by save_to_disk")
+    plan.add_argument("--world-size", type=int, default=1, metavar="W")
+    plan.add_argument("--epoch", type=int, default=0)
+    plan.add_argument("--json", action="store_true", help="machine-readable output")
+    plan.add_argument("--compare", choices=["random"], help="show the naive random shuffle beside ladle")
+    plan.add_argument("--simulate-loss", action="store_true", help="simulate the logged loss (the ladder)")
+    _add_config_options(plan)
+
+    make = sub.add_parser("make-dataset", help="write a synthetic tokenized dataset (production length mix)")
+    make.add_argument("out", help="folder to create")
+    make.add_argument("--rows", type=int, required=True)
+    make.add_argument("--seed", type=int, default=0)
+    make.add_argument("--scale", type=float, default=1.0, help="multiply every length (tests: 1/32)")
+    make.add_argument("--vocab-size", type=int, default=32000)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "plan":
+            return _plan(args)
+        if args.command == "make-dataset":
+            return _make_dataset(args)
+    except LadleError as exc:
+        print(f"ladle: error: {exc}", file=sys.stderr)
+        return 2
+    raise AssertionError(f"unhandled command {args.command}")
+
+
+def _make_dataset(args: argparse.Namespace) -> int:
+    from .synth import make_dataset
+
+    began = time.perf_counter()
+    ds = make_dataset(args.out, args.rows, args.seed, scale=args.scale, vocab_size=args.vocab_size)
+    took = time.perf_counter() - began
+    print(f"wrote {ds.num_rows} rows to {args.out} in {took:.1f}s (fingerprint {ds.fingerprint})")
+    return 0
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from .dataset import open_dataset
+
+    config = config_from_args(args)
+    ds = open_dataset(args.dataset)
+    sched = build_schedule(ds.lengths, config, epoch=args.epoch, world_size=args.world_size)
+    baseline = None
+    if args.compare == "random" or args.simulate_loss:
+        baseline = build_schedule(
+            ds.lengths, config.replace(interleave="random"), epoch=args.epoch, world_size=args.world_size
+        )
+    if args.json:
+        doc = summary(sched)
+        doc["dataset"] = {"path": ds.path, "rows": ds.num_rows, "fingerprint": ds.fingerprint}
+        if baseline is not None and args.compare == "random":
+            doc["compare"] = {"random": summary(baseline)}
+        if args.simulate_loss and baseline is not None:
+            doc["simulated_loss"] = {
+                "ladle": vars(simulate_loss(sched)),
+                "random": vars(simulate_loss(baseline)),
+            }
+        print(json.dumps(doc, indent=2))
+        return 0
+    print(f"dataset {ds.path}: {ds.num_rows} rows, fingerprint {ds.fingerprint}")
+    print(
+        f"config {config.fingerprint()}: budget {config.token_budget} tokens, <= {config.max_batch_size} rows, "
+        f"max_seq_len {config.max_seq_len}, {config.rank_mode} ranks, seed {config.seed}, epoch {args.epoch}"
+    )
+    print()
+    print(format_bucket_table(sched))
+    print()
+    q = quality(sched)
+    qb = quality(baseline) if baseline is not None and args.compare == "random" else None
+    print(format_quality(q, qb))
+    if args.simulate_loss and baseline is not None:
+        print()
+        print(format_loss(simulate_loss(sched), simulate_loss(baseline)))
+    return 0
+
+
+def _table(header: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(header)]
+    lines = ["  ".join(h.rjust(w) for h, w in zip(header, widths, strict=True))]
+    lines.append("  ".join("-" * w for w in widths))
+    lines += ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
+    return "\n".join(lines)
+
+
+def format_bucket_table(sched: Any) -> str:
+    rows = [
+        [
+            str(r.bucket),
+            f"[{r.lo}, {r.hi})",
+            str(r.samples),
+            f"{r.pct_samples:.1f}%",
+            f"{r.avg_len:.0f}",
+            str(r.max_len),
+            f"{r.rows_per_batch:.1f}",
+            str(r.batches),
+            f"{r.pct_batches:.1f}%",
+            f"{r.padding_efficiency:.3f}",
+        ]
+        for r in bucket_table(sched)
+    ]
+    header = ["bucket", "lengths", "samples", "% samples", "avg len", "max len", "rows/batch",
+              "batches", "% batches", "pad eff"]
+    return _table(header, rows)
+
+
+def _fmt_list(values: list[int] | None) -> str:
+    return " ".join(str(v) for v in values) if values is not None else "-"
+
+
+def format_quality(q: Quality, baseline: Quality | None = None) -> str:
+    def row(name: str, ours: str, theirs: str | None = None) -> list[str]:
+        return [name, ours] + ([theirs or "-"] if baseline is not None else [])
+
+    b = baseline
+    rows = [
+        row("steps per epoch", str(q.num_steps), str(b.num_steps) if b else None),
+        row("optimizer steps", str(q.optimizer_steps), str(b.optimizer_steps) if b else None),
+        row("world size", str(q.world_size), str(b.world_size) if b else None),
+        row("padding efficiency", f"{q.padding_efficiency:.4f}", f"{b.padding_efficiency:.4f}" if b else None),
+        row("longest run per bucket", _fmt_list(q.max_run), _fmt_list(b.max_run) if b else None),
+        row("  its lower bound", _fmt_list(q.max_run_lower_bound), _fmt_list(b.max_run_lower_bound) if b else None),
+        row("  worst excess over bound", str(q.max_run_excess), str(b.max_run_excess) if b else None),
+        row("share deviation, ranks", f"{q.share_deviation_ranks:.2f}", f"{b.share_deviation_ranks:.2f}" if b else None),
+        row("share deviation, steps", f"{q.share_deviation_steps:.2f}", f"{b.share_deviation_steps:.2f}" if b else None),
+        row("distinct buckets/step min, mean", f"{q.distinct_per_step_min}, {q.distinct_per_step_mean:.2f}",
+            f"{b.distinct_per_step_min}, {b.distinct_per_step_mean:.2f}" if b else None),
+        row(f"distinct buckets/window min, mean (of {q.distinct_per_window_possible})",
+            f"{q.distinct_per_window_min}, {q.distinct_per_window_mean:.2f}",
+            f"{b.distinct_per_window_min}, {b.distinct_per_window_mean:.2f}" if b else None),
+        row("buckets run out within (steps)", str(q.finish_spread_steps), str(b.finish_spread_steps) if b else None),
+        row("dropped samples", _fmt_dropped(q.dropped), _fmt_dropped(b.dropped) if b else None),
+    ]
+    header = ["figure", "ladle"] + (["random"] if baseline is not None else [])
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
+    lines = ["  ".join(h.ljust(w) if i == 0 else h.rjust(w) for i, (h, w) in enumerate(zip(header, widths, strict=True)))]
+    lines.append("  ".join("-" * w for w in widths))
+    for r in rows:
+        lines.append("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True))))
+    return "\n".join(lines)
+
+
+def _fmt_dropped(dropped: dict[str, int]) -> str:
+    return ", ".join(f"{k} {v}" for k, v in dropped.items()) if dropped else "none"
+
+
+def format_loss(ours: LossFigures, random: LossFigures) -> str:
+    rows = [
+        ["std of windowed loss", f"{ours.windowed_std:.4f}", f"{random.windowed_std:.4f}"],
+        ["longest streak above mean", str(ours.longest_above_mean_streak), str(random.longest_above_mean_streak)],
+        ["windows (2 steps each)", str(ours.windows), str(random.windows)],
+    ]
+    return "simulated loss (bucket levels + noise, mean over ranks, windows of 2 steps)\n" + _table(
+        ["figure", "ladle", "random"], rows
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())

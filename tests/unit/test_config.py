@@ -1,0 +1,78 @@
+"""ScheduleConfig: one validated, frozen object from kwargs, TOML and CLI flags."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from ladle.service.cli import build_parser, config_from_args
+from ladle.service.errors import ConfigError
+from ladle.service.schedule import PRODUCTION_BOUNDS, ScheduleConfig
+
+
+def test_defaults_are_the_production_case() -> None:
+    c = ScheduleConfig()
+    assert c.bucket_bounds == PRODUCTION_BOUNDS
+    assert (c.max_seq_len, c.token_budget, c.max_batch_size) == (8192, 49152, 64)
+    assert (c.interleave, c.rank_mode, c.overlong, c.remainder) == ("stride", "mixed", "truncate", "split")
+
+
+def test_frozen() -> None:
+    c = ScheduleConfig()
+    with pytest.raises(ValidationError):
+        c.seed = 3  # type: ignore[misc]
+
+
+def test_toml_then_overrides(tmp_path: Path) -> None:
+    path = tmp_path / "ladle.toml"
+    path.write_text('[schedule]\nseed = 7\nrank_mode = "sync"\nbucket_bounds = [0, 100, 8193]\n')
+    c = ScheduleConfig.from_toml(path, {"seed": 9})
+    assert (c.seed, c.rank_mode, c.bucket_bounds) == (9, "sync", (0, 100, 8193))
+
+
+def test_toml_errors(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="no such file"):
+        ScheduleConfig.from_toml(tmp_path / "missing.toml")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("seed = [")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        ScheduleConfig.from_toml(bad)
+    typo = tmp_path / "typo.toml"
+    typo.write_text("[schedule]\nseeed = 1\n")
+    with pytest.raises(ConfigError) as info:
+        ScheduleConfig.from_toml(typo)
+    assert info.value.field == "seeed"
+
+
+def test_cli_flags_build_the_same_config(tmp_path: Path) -> None:
+    path = tmp_path / "c.toml"
+    path.write_text("token_budget = 16384\nmax_seq_len = 4096\nbucket_bounds = 'auto'\n")
+    args = build_parser().parse_args(
+        ["plan", "ds", "--config", str(path), "--seed", "5", "--rank-mode", "sync", "--num-buckets", "4"]
+    )
+    c = config_from_args(args)
+    assert c == ScheduleConfig(
+        token_budget=16384, max_seq_len=4096, bucket_bounds="auto", seed=5, rank_mode="sync", num_buckets=4
+    )
+
+
+def test_bounds_from_string() -> None:
+    assert ScheduleConfig.from_mapping({"bucket_bounds": "0,10,8193"}).bucket_bounds == (0, 10, 8193)
+    with pytest.raises(ConfigError, match="bucket_bounds"):
+        ScheduleConfig.from_mapping({"bucket_bounds": "0,ten"})
+
+
+def test_budget_must_hold_one_padded_row() -> None:
+    with pytest.raises(ConfigError) as info:
+        ScheduleConfig.from_mapping({"max_seq_len": 100, "bucket_bounds": (0, 101), "token_budget": 100,
+                                     "pad_to_multiple_of": 64})
+    assert info.value.field == "token_budget"
+
+
+def test_fingerprint_stable_and_sensitive() -> None:
+    a = ScheduleConfig(seed=1)
+    assert a.fingerprint() == ScheduleConfig(seed=1).fingerprint()
+    assert a.fingerprint() != ScheduleConfig(seed=2).fingerprint()
+    assert a.fingerprint() != a.replace(rank_mode="sync").fingerprint()
