@@ -31,13 +31,17 @@ def _add_config_options(parser: argparse.ArgumentParser) -> None:
         elif choices and all(isinstance(c, str) for c in get_args(info.annotation)):
             group.add_argument(flag, choices=choices, help=f"default: {info.default}")
         else:
-            group.add_argument(flag, type=int, metavar="N", help=info.description or f"default: {info.default}")
+            group.add_argument(
+                flag, type=int, metavar="N", help=info.description or f"default: {info.default}"
+            )
 
 
 def config_from_args(args: argparse.Namespace) -> ScheduleConfig:
     """The validated config from ``--config`` and the flags given (flags win)."""
     overrides: dict[str, Any] = {
-        name: getattr(args, name) for name in ScheduleConfig.model_fields if getattr(args, name, None) is not None
+        name: getattr(args, name)
+        for name in ScheduleConfig.model_fields
+        if getattr(args, name, None) is not None
     }
     if getattr(args, "config", None):
         return ScheduleConfig.from_toml(args.config, overrides)
@@ -98,7 +102,10 @@ def _plan(args: argparse.Namespace) -> int:
     baseline = None
     if args.compare == "random" or args.simulate_loss:
         baseline = build_schedule(
-            ds.lengths, config.replace(interleave="random"), epoch=args.epoch, world_size=args.world_size
+            ds.lengths,
+            config.replace(interleave="random"),
+            epoch=args.epoch,
+            world_size=args.world_size,
         )
     if args.json:
         doc = summary(sched)
@@ -114,8 +121,9 @@ def _plan(args: argparse.Namespace) -> int:
         return 0
     print(f"dataset {ds.path}: {ds.num_rows} rows, fingerprint {ds.fingerprint}")
     print(
-        f"config {config.fingerprint()}: budget {config.token_budget} tokens, <= {config.max_batch_size} rows, "
-        f"max_seq_len {config.max_seq_len}, {config.rank_mode} ranks, seed {config.seed}, epoch {args.epoch}"
+        f"config {config.fingerprint()}: budget {config.token_budget} tokens, "
+        f"<= {config.max_batch_size} rows, max_seq_len {config.max_seq_len}, "
+        f"{config.rank_mode} ranks, seed {config.seed}, epoch {args.epoch}"
     )
     print()
     print(format_bucket_table(sched))
@@ -153,8 +161,18 @@ def format_bucket_table(sched: Any) -> str:
         ]
         for r in bucket_table(sched)
     ]
-    header = ["bucket", "lengths", "samples", "% samples", "avg len", "max len", "rows/batch",
-              "batches", "% batches", "pad eff"]
+    header = [
+        "bucket",
+        "lengths",
+        "samples",
+        "% samples",
+        "avg len",
+        "max len",
+        "rows/batch",
+        "batches",
+        "% batches",
+        "pad eff",
+    ]
     return _table(header, rows)
 
 
@@ -171,26 +189,59 @@ def format_quality(q: Quality, baseline: Quality | None = None) -> str:
         row("steps per epoch", str(q.num_steps), str(b.num_steps) if b else None),
         row("optimizer steps", str(q.optimizer_steps), str(b.optimizer_steps) if b else None),
         row("world size", str(q.world_size), str(b.world_size) if b else None),
-        row("padding efficiency", f"{q.padding_efficiency:.4f}", f"{b.padding_efficiency:.4f}" if b else None),
+        row(
+            "padding efficiency",
+            f"{q.padding_efficiency:.4f}",
+            f"{b.padding_efficiency:.4f}" if b else None,
+        ),
         row("longest run per bucket", _fmt_list(q.max_run), _fmt_list(b.max_run) if b else None),
-        row("  its lower bound", _fmt_list(q.max_run_lower_bound), _fmt_list(b.max_run_lower_bound) if b else None),
+        row(
+            "  its lower bound",
+            _fmt_list(q.max_run_lower_bound),
+            _fmt_list(b.max_run_lower_bound) if b else None,
+        ),
         row("  worst excess over bound", str(q.max_run_excess), str(b.max_run_excess) if b else None),
-        row("share deviation, ranks", f"{q.share_deviation_ranks:.2f}", f"{b.share_deviation_ranks:.2f}" if b else None),
-        row("share deviation, steps", f"{q.share_deviation_steps:.2f}", f"{b.share_deviation_steps:.2f}" if b else None),
-        row("distinct buckets/step min, mean", f"{q.distinct_per_step_min}, {q.distinct_per_step_mean:.2f}",
-            f"{b.distinct_per_step_min}, {b.distinct_per_step_mean:.2f}" if b else None),
-        row(f"distinct buckets/window min, mean (of {q.distinct_per_window_possible})",
+        row(
+            "share deviation, ranks",
+            f"{q.share_deviation_ranks:.2f}",
+            f"{b.share_deviation_ranks:.2f}" if b else None,
+        ),
+        row(
+            "share deviation, steps",
+            f"{q.share_deviation_steps:.2f}",
+            f"{b.share_deviation_steps:.2f}" if b else None,
+        ),
+        row(
+            "distinct buckets/step min, mean",
+            f"{q.distinct_per_step_min}, {q.distinct_per_step_mean:.2f}",
+            f"{b.distinct_per_step_min}, {b.distinct_per_step_mean:.2f}" if b else None,
+        ),
+        row(
+            f"distinct buckets/window min, mean (of {q.distinct_per_window_possible})",
             f"{q.distinct_per_window_min}, {q.distinct_per_window_mean:.2f}",
-            f"{b.distinct_per_window_min}, {b.distinct_per_window_mean:.2f}" if b else None),
-        row("buckets run out within (steps)", str(q.finish_spread_steps), str(b.finish_spread_steps) if b else None),
+            f"{b.distinct_per_window_min}, {b.distinct_per_window_mean:.2f}" if b else None,
+        ),
+        row(
+            "buckets run out within (steps)",
+            str(q.finish_spread_steps),
+            str(b.finish_spread_steps) if b else None,
+        ),
         row("dropped samples", _fmt_dropped(q.dropped), _fmt_dropped(b.dropped) if b else None),
     ]
     header = ["figure", "ladle"] + (["random"] if baseline is not None else [])
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
-    lines = ["  ".join(h.ljust(w) if i == 0 else h.rjust(w) for i, (h, w) in enumerate(zip(header, widths, strict=True)))]
+    lines = [
+        "  ".join(
+            h.ljust(w) if i == 0 else h.rjust(w) for i, (h, w) in enumerate(zip(header, widths, strict=True))
+        )
+    ]
     lines.append("  ".join("-" * w for w in widths))
     for r in rows:
-        lines.append("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True))))
+        lines.append(
+            "  ".join(
+                c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True))
+            )
+        )
     return "\n".join(lines)
 
 
@@ -201,7 +252,11 @@ def _fmt_dropped(dropped: dict[str, int]) -> str:
 def format_loss(ours: LossFigures, random: LossFigures) -> str:
     rows = [
         ["std of windowed loss", f"{ours.windowed_std:.4f}", f"{random.windowed_std:.4f}"],
-        ["longest streak above mean", str(ours.longest_above_mean_streak), str(random.longest_above_mean_streak)],
+        [
+            "longest streak above mean",
+            str(ours.longest_above_mean_streak),
+            str(random.longest_above_mean_streak),
+        ],
         ["windows (2 steps each)", str(ours.windows), str(random.windows)],
     ]
     return "simulated loss (bucket levels + noise, mean over ranks, windows of 2 steps)\n" + _table(

@@ -20,10 +20,10 @@ MAX_CANDIDATES = 512
 def assign_buckets(lengths: npt.NDArray[np.integer], bounds: tuple[int, ...]) -> npt.NDArray[np.int16]:
     """Bucket id of every length (lengths already within ``[bounds[0], bounds[-1])``)."""
     edges = np.asarray(bounds, dtype=np.int64)
-    table = (np.searchsorted(edges, np.arange(int(edges[-1]), dtype=np.int64), side="right") - 1).astype(
-        np.int16
-    )
-    return table[lengths]
+    every = np.arange(int(edges[-1]), dtype=np.int64)
+    table: npt.NDArray[np.int16] = (np.searchsorted(edges, every, side="right") - 1).astype(np.int16)
+    out: npt.NDArray[np.int16] = table[lengths]
+    return out
 
 
 def _round_up(values: npt.NDArray[np.int64], multiple: int) -> npt.NDArray[np.int64]:

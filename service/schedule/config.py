@@ -82,7 +82,7 @@ class ScheduleConfig(BaseModel):
     def _check_bounds(cls, value: tuple[int, ...] | str) -> tuple[int, ...] | str:
         if value == "auto":
             return value
-        bounds = tuple(value)
+        bounds = tuple(int(b) for b in value)
         if len(bounds) < 2:
             raise ValueError("needs at least two edges (one bucket)")
         if any(b < 0 for b in bounds):

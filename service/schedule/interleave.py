@@ -73,7 +73,6 @@ def _merge(bucket: int, n: int, others: IntArray) -> IntArray:
     if extra:
         pick = (np.arange(extra, dtype=np.int64) * 2 + 1) * len(free) // (2 * extra)
         gaps[free[pick]] = True
-    chosen = np.flatnonzero(gaps)
     before = np.cumsum(gaps)[:m]
     out[np.arange(m) + before] = others
     return out
@@ -108,17 +107,19 @@ def interleave_grid(counts: npt.ArrayLike, world_size: int) -> IntArray:
     steps = total // world_size
     nb = len(c)
     live = [b for b in range(nb) if c[b] > 0]
-    share = [x / total for x in c]
     per_rank = [-(-x // world_size) for x in c]
     cap = [max(1, -(-n // max(1, steps - n + 1))) for n in per_rank]
-    global_weight = world_size / 2.0  # found best for both rank and step smoothness
+    # Scores are lags scaled by 2 * total so they are exact integers:
+    #   rank lag  (t + 1) * c_b / total - count_rb
+    #   job lag   (done * c_b / total - count_b) / 2   (weight 1/2 found best for
+    #   both every rank's smoothness and the steps' on the production mix)
     remaining = list(c)
     rank_count = [[0] * nb for _ in range(world_size)]
     job_count = [0] * nb
     last = [-1] * world_size
     run = [0] * world_size
     grid = np.empty((steps, world_size), dtype=np.int64)
-    gw = global_weight / world_size
+    veto = 4 * total * total + 1  # larger than any score difference
     for t in range(steps):
         row = [0] * world_size
         base = t * world_size
@@ -128,15 +129,15 @@ def interleave_grid(counts: npt.ArrayLike, world_size: int) -> IntArray:
             last_r = last[r]
             done = base + i + 1
             best = -1
-            best_score = -1e300
+            best_score = 0
             for b in live:
                 if remaining[b] == 0:
                     continue
-                s = share[b]
-                score = (t + 1) * s - counts_r[b] + gw * (done * s - job_count[b])
+                cb = c[b]
+                score = (2 * (t + 1) + done) * cb - (2 * counts_r[b] + job_count[b]) * total
                 if b == last_r and run[r] >= cap[b]:
-                    score -= 1e9
-                if score > best_score:
+                    score -= veto
+                if best < 0 or score > best_score:
                     best_score = score
                     best = b
             remaining[best] -= 1

@@ -53,8 +53,13 @@ def _bits(n: int) -> int:
 
 
 def _sorted_rows(
-    rows: I64, lengths: I64, buckets: npt.NDArray[np.integer], num_buckets: int, config: ScheduleConfig,
-    epoch: int, num_rows_total: int,
+    rows: I64,
+    lengths: I64,
+    buckets: npt.NDArray[np.integer],
+    num_buckets: int,
+    config: ScheduleConfig,
+    epoch: int,
+    num_rows_total: int,
 ) -> tuple[I64, I64, I64, I64]:
     """Rows ordered by (bucket, random chunk, length, row): rows, lengths, segments, buckets."""
     n = len(rows)
@@ -100,7 +105,9 @@ def pack(
     if len(rows) == 0:
         empty = np.empty(0, dtype=np.int64)
         return Packed(empty, empty, empty, empty, empty, empty)
-    rows_s, len_s, segment, bucket_s = _sorted_rows(rows, lengths, buckets, num_buckets, config, epoch, num_rows_total)
+    rows_s, len_s, segment, bucket_s = _sorted_rows(
+        rows, lengths, buckets, num_buckets, config, epoch, num_rows_total
+    )
     n = len(rows_s)
     pad = config.pad_to_multiple_of
     padded = -(-len_s // pad) * pad

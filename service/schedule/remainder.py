@@ -20,22 +20,22 @@ __all__ = ["fit_to_world"]
 I64 = npt.NDArray[np.int64]
 
 
-def _split_largest(packed: Packed, members: I64, splits: int) -> tuple[list[int], list[int]]:
-    """Halve the largest of ``members`` ``splits`` times; returns new (start, size) pairs."""
-    start = packed.start
-    size = packed.size
-    sizes = {int(i): int(size[i]) for i in members}
-    starts = {int(i): int(start[i]) for i in members}
-    next_id = -1
-    for _ in range(splits):
-        victim = max(sizes, key=lambda i: (sizes[i], -starts[i]))
-        half = sizes[victim] // 2
-        sizes[next_id] = sizes[victim] - half
-        starts[next_id] = starts[victim] + half
-        sizes[victim] = half
-        next_id -= 1
-    ordered = sorted(sizes, key=lambda i: starts[i])
-    return [starts[i] for i in ordered], [sizes[i] for i in ordered]
+def _split_largest(packed: Packed, members: I64, splits: int) -> tuple[I64, I64]:
+    """Halve the largest of ``members`` until there are ``splits`` more; new (start, size) arrays."""
+    start = packed.start[members].copy()
+    size = packed.size[members].copy()
+    while splits:
+        # the `splits` largest batches (ties: earlier first), each halved once
+        order = np.lexsort((start, -size))[:splits]
+        order = order[size[order] >= 2]
+        if len(order) == 0:  # guarded by the caller: enough rows for every split
+            raise AssertionError("remainder: nothing left to split")
+        half = size[order] // 2
+        start = np.r_[start, start[order] + half]
+        size = np.r_[size, size[order] - half]
+        size[order] = half
+        splits -= len(order)
+    return start, size
 
 
 def fit_to_world(
@@ -58,8 +58,8 @@ def fit_to_world(
             keep_size.append(packed.size[members])
         elif policy == "split" and rows_here >= count + short:
             starts, sizes = _split_largest(packed, members, short)
-            keep_start.append(np.asarray(starts, dtype=np.int64))
-            keep_size.append(np.asarray(sizes, dtype=np.int64))
+            keep_start.append(starts)
+            keep_size.append(sizes)
         else:
             extra = count % world_size
             order = np.lexsort((-members, packed.size[members]))  # smallest first, later first

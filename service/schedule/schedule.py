@@ -78,7 +78,9 @@ class Schedule:
         self._packed = packed
         self.batch_ids = batch_ids
         self.dropped = dropped
-        self.buckets: I64 = packed.bucket[batch_ids] if batch_ids.size else np.empty((0, world_size), np.int64)
+        self.buckets: I64 = (
+            packed.bucket[batch_ids] if batch_ids.size else np.empty((0, world_size), np.int64)
+        )
         self.buckets.setflags(write=False)
         self.batch_ids.setflags(write=False)
 
@@ -139,7 +141,8 @@ class Schedule:
         cum = np.r_[0, np.cumsum(self._packed.lengths)]
         start = self._packed.start
         totals = cum[start + self._packed.size] - cum[start]
-        return totals[self.batch_ids]
+        out: I64 = totals[self.batch_ids]
+        return out
 
     def scheduled_rows(self) -> I64:
         """Every row that is in some batch of this epoch (unsorted, each once)."""
@@ -148,7 +151,8 @@ class Schedule:
         if len(start) == 0:
             return np.empty(0, dtype=np.int64)
         offsets = np.repeat(start - np.r_[0, np.cumsum(size)[:-1]], size)
-        return self._packed.rows[np.arange(int(size.sum())) + offsets]
+        out: I64 = self._packed.rows[np.arange(int(size.sum())) + offsets]
+        return out
 
     def content_hash(self) -> str:
         """A hash of every batch's rows, in step and rank order (golden tests, replicas)."""
@@ -192,14 +196,10 @@ def resolve_bounds(lengths: npt.ArrayLike, config: ScheduleConfig) -> tuple[int,
     if config.bucket_bounds != "auto":
         return tuple(config.bucket_bounds)
     cut = np.minimum(_as_lengths(lengths), config.max_seq_len)
-    shape = {
-        "num_buckets": config.num_buckets,
-        "max_seq_len": config.max_seq_len,
-        "pad_to_multiple_of": config.pad_to_multiple_of,
-    }
+    k, top, pad = config.num_buckets, config.max_seq_len, config.pad_to_multiple_of
     candidates = [
-        auto_bounds(cut, **shape, token_budget=config.token_budget, max_batch_size=config.max_batch_size),
-        auto_bounds(cut, **shape, objective="pad_to_max"),
+        auto_bounds(cut, k, top, pad, token_budget=config.token_budget, max_batch_size=config.max_batch_size),
+        auto_bounds(cut, k, top, pad, objective="pad_to_max"),
         quantile_bounds(cut, config.num_buckets, config.max_seq_len),
     ]
     rows = np.arange(len(cut), dtype=np.int64)
@@ -253,7 +253,12 @@ def build_schedule(
     packed = pack(rows, cut, bucket_ids, num_buckets, config, epoch, num_rows)
     del bucket_ids
     packed, lost = fit_to_world(
-        packed, num_buckets, world_size, config.rank_mode, config.remainder, config.pad_to_multiple_of
+        packed,
+        num_buckets,
+        world_size,
+        config.rank_mode,
+        config.remainder,
+        config.pad_to_multiple_of,
     )
     if len(lost):
         dropped["remainder"] = lost

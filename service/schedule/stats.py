@@ -101,7 +101,8 @@ def bucket_table(sched: Schedule) -> list[BucketRow]:
 def _batch_max_len(sched: Schedule) -> I64:
     packed = sched._packed
     last = packed.start + packed.size - 1
-    return packed.lengths[last][sched.batch_ids]
+    out: I64 = packed.lengths[last][sched.batch_ids]
+    return out
 
 
 def _runs_by_column(grid: I64, num_buckets: int) -> I64:
@@ -293,7 +294,10 @@ def summary(sched: Schedule) -> dict[str, Any]:
         "max_run_excess": q.max_run_excess,
         "max_share_deviation": q.max_share_deviation,
         "share_deviation": {"ranks": q.share_deviation_ranks, "steps": q.share_deviation_steps},
-        "distinct_buckets_per_step": {"min": q.distinct_per_step_min, "mean": q.distinct_per_step_mean},
+        "distinct_buckets_per_step": {
+            "min": q.distinct_per_step_min,
+            "mean": q.distinct_per_step_mean,
+        },
         "distinct_buckets_per_window": {
             "window_steps": sched.config.grad_accum,
             "min": q.distinct_per_window_min,

@@ -16,7 +16,12 @@ def test_defaults_are_the_production_case() -> None:
     c = ScheduleConfig()
     assert c.bucket_bounds == PRODUCTION_BOUNDS
     assert (c.max_seq_len, c.token_budget, c.max_batch_size) == (8192, 49152, 64)
-    assert (c.interleave, c.rank_mode, c.overlong, c.remainder) == ("stride", "mixed", "truncate", "split")
+    assert (c.interleave, c.rank_mode, c.overlong, c.remainder) == (
+        "stride",
+        "mixed",
+        "truncate",
+        "split",
+    )
 
 
 def test_frozen() -> None:
@@ -50,24 +55,50 @@ def test_cli_flags_build_the_same_config(tmp_path: Path) -> None:
     path = tmp_path / "c.toml"
     path.write_text("token_budget = 16384\nmax_seq_len = 4096\nbucket_bounds = 'auto'\n")
     args = build_parser().parse_args(
-        ["plan", "ds", "--config", str(path), "--seed", "5", "--rank-mode", "sync", "--num-buckets", "4"]
+        [
+            "plan",
+            "ds",
+            "--config",
+            str(path),
+            "--seed",
+            "5",
+            "--rank-mode",
+            "sync",
+            "--num-buckets",
+            "4",
+        ]
     )
     c = config_from_args(args)
     assert c == ScheduleConfig(
-        token_budget=16384, max_seq_len=4096, bucket_bounds="auto", seed=5, rank_mode="sync", num_buckets=4
+        token_budget=16384,
+        max_seq_len=4096,
+        bucket_bounds="auto",
+        seed=5,
+        rank_mode="sync",
+        num_buckets=4,
     )
 
 
 def test_bounds_from_string() -> None:
-    assert ScheduleConfig.from_mapping({"bucket_bounds": "0,10,8193"}).bucket_bounds == (0, 10, 8193)
+    assert ScheduleConfig.from_mapping({"bucket_bounds": "0,10,8193"}).bucket_bounds == (
+        0,
+        10,
+        8193,
+    )
     with pytest.raises(ConfigError, match="bucket_bounds"):
         ScheduleConfig.from_mapping({"bucket_bounds": "0,ten"})
 
 
 def test_budget_must_hold_one_padded_row() -> None:
     with pytest.raises(ConfigError) as info:
-        ScheduleConfig.from_mapping({"max_seq_len": 100, "bucket_bounds": (0, 101), "token_budget": 100,
-                                     "pad_to_multiple_of": 64})
+        ScheduleConfig.from_mapping(
+            {
+                "max_seq_len": 100,
+                "bucket_bounds": (0, 101),
+                "token_budget": 100,
+                "pad_to_multiple_of": 64,
+            }
+        )
     assert info.value.field == "token_budget"
 
 

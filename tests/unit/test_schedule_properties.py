@@ -62,7 +62,8 @@ def check_schedule(sched: Schedule, lengths: np.ndarray, config: ScheduleConfig)
     """Every invariant a single schedule must hold; messages name the broken guarantee."""
     n = len(lengths)
     steps, world = sched.buckets.shape
-    assert world == sched.world_size and steps == sched.num_steps, "unequal steps per rank"
+    assert world == sched.world_size, "a rank without a stream"
+    assert steps == sched.num_steps, "unequal steps per rank"
     seen = sched.scheduled_rows()
     dropped = sched.dropped.rows
     assert len(np.unique(seen)) == len(seen), "duplicate samples"
@@ -86,7 +87,9 @@ def check_schedule(sched: Schedule, lengths: np.ndarray, config: ScheduleConfig)
             assert len(rows) * padded <= config.token_budget, "batch over the token budget"
             assert padded == -(-int(cut[rows].max()) // config.pad_to_multiple_of) * config.pad_to_multiple_of
             b = sched.bucket(step, rank)
-            assert np.all((cut[rows] >= bounds[b]) & (cut[rows] < bounds[b + 1])), "sample in the wrong bucket"
+            assert np.all((cut[rows] >= bounds[b]) & (cut[rows] < bounds[b + 1])), (
+                "sample in the wrong bucket"
+            )
         if config.rank_mode == "sync":
             assert len(set(sched.buckets[step].tolist())) == 1, "a sync step mixes buckets"
 

@@ -1,0 +1,1 @@
+"""ladle's benchmarks: ``python -m benchmarks.run`` (``make bench``)."""

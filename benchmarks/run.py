@@ -1,0 +1,40 @@
+"""Run every benchmark and print its figures beside their baselines.
+
+``python -m benchmarks.run`` (quick: 1M lengths) or ``--full`` (10M lengths,
+the sizes the issue's targets name). Results are JSON on stdout and a short
+table on stderr.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from benchmarks import bench_schedule
+
+
+def main(argv: list[str]) -> int:
+    full = "--full" in argv
+    results = {"schedule": bench_schedule.main(full)}
+    print(json.dumps(results, indent=2))
+    build = results["schedule"]["build"]
+    print(
+        f"\nbuild_schedule {build['rows']:,} lengths W={build['world_size']}: {build['build_schedule_s']}s; "
+        f"np.sort {build['np_sort_s']}s ({build['lengths_dtype']}) -> {build['ratio_vs_np_sort']}x "
+        f"({build['ratio_vs_np_sort_int64']}x vs int64 sort); peak RSS {build['peak_rss_mib']} MiB",
+        file=sys.stderr,
+    )
+    for case in results["schedule"]["quality"]["cases"]:
+        print(
+            f"{case['rank_mode']:5} W={case['world_size']}: run excess {case['max_run_excess']} "
+            f"(runs {case['max_run']} bound {case['max_run_lower_bound']}; random {case['random_max_run']}), "
+            f"share dev ranks {case['share_dev_ranks']} steps {case['share_dev_steps']}, "
+            f"loss std {case['loss_std']} vs random {case['random_loss_std']}, "
+            f"streak {case['above_mean_streak']} vs {case['random_above_mean_streak']}",
+            file=sys.stderr,
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
