@@ -60,36 +60,42 @@ def _sorted_rows(
     config: ScheduleConfig,
     epoch: int,
     num_rows_total: int,
-) -> tuple[I64, I64, I64, I64]:
-    """Rows ordered by (bucket, random chunk, length, row): rows, lengths, segments, buckets."""
+) -> tuple[I64, I64, I64, int]:
+    """Rows ordered by (bucket, random chunk, length, row).
+
+    Returns the rows, their lengths, a segment id per row (bucket and chunk;
+    equal ids are one sorted chunk) and the number of low bits of the segment
+    id that hold the chunk (so ``segment >> chunk_bits`` is the bucket).
+    """
     n = len(rows)
-    b = buckets.astype(np.int64)
-    per_bucket = np.bincount(b, minlength=num_buckets)
-    chunks = np.maximum(1, -(-per_bucket // config.sort_chunk))
-    draw = random_u64(n, config.seed, epoch, STAGE_CHUNKS) >> np.uint64(32)
-    chunk = ((draw * chunks[b].astype(np.uint64)) >> np.uint64(32)).astype(np.int64)
+    per_bucket = np.bincount(buckets, minlength=num_buckets)
+    chunks = np.maximum(1, -(-per_bucket // config.sort_chunk)).astype(np.uint64)
     row_bits = _bits(num_rows_total)
     len_bits = _bits(int(config.max_seq_len))
     chunk_bits = _bits(int(chunks.max()))
     bucket_bits = _bits(num_buckets)
+    # chunk = floor(u * chunks[bucket]) for a uniform 32-bit u, computed in place
+    seg = chunks[buckets]
+    seg *= random_u64(n, config.seed, epoch, STAGE_CHUNKS) >> np.uint64(32)
+    seg >>= np.uint64(32)
+    chunk = seg.view(np.int64)
+    bucket_base = np.arange(num_buckets, dtype=np.int64) << chunk_bits
+    chunk += bucket_base[buckets]  # now bucket << chunk_bits | chunk
     if row_bits + len_bits + chunk_bits + bucket_bits <= 63:
-        key = b << (chunk_bits + len_bits + row_bits)
-        key |= chunk << (len_bits + row_bits)
-        key |= lengths << row_bits
+        key = chunk
+        key <<= len_bits
+        key |= lengths
+        key <<= row_bits
         key |= rows
         key.sort()
-        row_mask = (1 << row_bits) - 1
-        len_mask = (1 << len_bits) - 1
-        rows_sorted = key & row_mask
-        lengths_sorted = (key >> row_bits) & len_mask
-        segment = key >> (len_bits + row_bits)
-        bucket_sorted = segment >> chunk_bits
-    else:  # very large datasets: the same order, without packing into one word
-        order = np.lexsort((rows, lengths, chunk, b))
-        rows_sorted, lengths_sorted = rows[order], lengths[order]
-        bucket_sorted = b[order]
-        segment = bucket_sorted * (int(chunks.max()) + 1) + chunk[order]
-    return rows_sorted, lengths_sorted, segment, bucket_sorted
+        rows_sorted = key & ((1 << row_bits) - 1)
+        key >>= row_bits
+        lengths_sorted = key & ((1 << len_bits) - 1)
+        key >>= len_bits
+        return rows_sorted, lengths_sorted, key, chunk_bits
+    # very large datasets: the same order, without packing into one word
+    order = np.lexsort((rows, lengths, chunk))
+    return rows[order], lengths[order], chunk[order], chunk_bits
 
 
 def pack(
@@ -105,35 +111,40 @@ def pack(
     if len(rows) == 0:
         empty = np.empty(0, dtype=np.int64)
         return Packed(empty, empty, empty, empty, empty, empty)
-    rows_s, len_s, segment, bucket_s = _sorted_rows(
+    rows_s, len_s, segment, chunk_bits = _sorted_rows(
         rows, lengths, buckets, num_buckets, config, epoch, num_rows_total
     )
     n = len(rows_s)
     pad = config.pad_to_multiple_of
-    padded = -(-len_s // pad) * pad
-    cap = np.minimum(config.max_batch_size, config.token_budget // padded)
+    every = np.arange(config.max_seq_len + 1, dtype=np.int64)
+    padded_of = -(-every // pad) * pad
+    cap_of = np.minimum(config.max_batch_size, config.token_budget // np.maximum(padded_of, 1))
     # A batch starting at s in a sorted segment ends after the last j with
     # j + 1 - cap[j] <= s; that quantity rises strictly within a segment, so
     # adding a per-segment offset makes it searchable with one sorted array.
-    seg_start = np.flatnonzero(np.r_[True, segment[1:] != segment[:-1]])
+    seg_start = np.flatnonzero(segment[1:] != segment[:-1]) + 1
+    seg_start = np.r_[0, seg_start]
     seg_end = np.r_[seg_start[1:], n]
-    seg_index = np.repeat(np.arange(len(seg_start), dtype=np.int64), np.diff(np.r_[seg_start, n]))
     big = n + config.max_batch_size + 2
-    reach = np.arange(1, n + 1, dtype=np.int64) - cap + seg_index * big
+    reach = np.repeat(np.arange(len(seg_start), dtype=np.int64) * big, seg_end - seg_start)
+    reach += np.arange(1, n + 1, dtype=np.int64)
+    reach -= cap_of[len_s]
     starts = []
-    pointer = seg_start.copy()
+    pointer = seg_start
     end = seg_end
     seg_ids = np.arange(len(seg_start), dtype=np.int64)
     while len(pointer):
         starts.append(pointer)
         nxt = np.searchsorted(reach, pointer + seg_ids * big, side="right")
-        nxt = np.minimum(nxt, end)
+        np.minimum(nxt, end, out=nxt)
         alive = nxt < end
         pointer, end, seg_ids = nxt[alive], end[alive], seg_ids[alive]
+    del reach
     start = np.sort(np.concatenate(starts))
     size = np.diff(np.r_[start, n])
     last = start + size - 1
-    return Packed(rows_s, len_s, start, size, bucket_s[start], padded[last])
+    bucket = segment[start] >> chunk_bits
+    return Packed(rows_s, len_s, start, size, bucket, padded_of[len_s[last]])
 
 
 def batch_order(packed: Packed, num_buckets: int, config: ScheduleConfig, epoch: int) -> list[I64]:

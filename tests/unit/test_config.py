@@ -27,7 +27,7 @@ def test_defaults_are_the_production_case() -> None:
 def test_frozen() -> None:
     c = ScheduleConfig()
     with pytest.raises(ValidationError):
-        c.seed = 3  # type: ignore[misc]
+        c.seed = 3
 
 
 def test_toml_then_overrides(tmp_path: Path) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -76,3 +77,22 @@ def test_grid_alternating_does_not_alias() -> None:
         col = grid[:, rank]
         assert set(col.tolist()) == {0, 1}, "a rank saw only one bucket"
         assert longest_runs(col, 2).max() == 1
+
+
+@given(counts_strategy, st.integers(2, 9))
+def test_compiled_and_python_grids_agree(counts: list[int], world: int) -> None:
+    from ladle.service.schedule import interleave
+
+    counts = list(counts)
+    counts[0] += (-sum(counts)) % world
+    python = interleave._grid_python(counts, world)
+    assert np.array_equal(interleave.interleave_grid(counts, world), python), "C and Python grids differ"
+
+
+def test_grid_without_the_extension(monkeypatch: pytest.MonkeyPatch) -> None:
+    from ladle.service.schedule import interleave
+
+    counts = [40, 7, 13, 4]
+    with_c = interleave.interleave_grid(counts, 4)
+    monkeypatch.setattr(interleave, "_grid_c", None)
+    assert np.array_equal(interleave.interleave_grid(counts, 4), with_c)

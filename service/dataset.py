@@ -1,0 +1,301 @@
+"""Opening and validating a tokenized dataset saved with ``datasets.Dataset.save_to_disk``.
+
+``open_dataset`` either returns a ``TokenDataset`` whose ``input_ids`` and
+``loss_mask`` agree row by row (and with ``seq_len`` when present), with no
+null and no empty row, or raises a typed ``DatasetError`` that names the path,
+the column and the first offending rows. It reads only Arrow metadata, list
+offsets and a fixed sample of tokens from the memory-mapped shards, so opening
+costs time and memory proportional to the number of rows, never to the number
+of tokens.
+
+Token values themselves are not scanned (no vocabulary or sign check): that
+would read every token, and it is left to whoever assembles batches.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import datasets
+import numpy as np
+import numpy.typing as npt
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from .errors import (
+    DatasetError,
+    DatasetNotFoundError,
+    EmptyDatasetError,
+    LengthMismatchError,
+    MissingColumnsError,
+    ZeroLengthRowsError,
+)
+
+__all__ = [
+    "FINGERPRINT_SAMPLE",
+    "LOSS_MASK",
+    "REQUIRED_COLUMNS",
+    "SEQ_LEN",
+    "TOKENS",
+    "TokenDataset",
+    "open_dataset",
+]
+
+I64 = npt.NDArray[np.int64]
+
+TOKENS = "input_ids"
+LOSS_MASK = "loss_mask"
+SEQ_LEN = "seq_len"
+REQUIRED_COLUMNS: tuple[str, ...] = (TOKENS, LOSS_MASK)
+
+# Tokens of each list column hashed into the fingerprint, at evenly spaced
+# positions of the column's flattened values.
+FINGERPRINT_SAMPLE = 4096
+_FINGERPRINT_TAG = b"ladle-dataset-v1"
+# How many offending rows an error message lists.
+_FIRST_ROWS = 5
+
+
+@dataclass(frozen=True, eq=False)
+class TokenDataset:
+    """A validated, memory-mapped token dataset.
+
+    Guarantees: ``num_rows >= 1``; ``lengths[i]`` (int64, read-only) is the
+    number of tokens of row ``i`` in ``input_ids``, equal to the length of its
+    ``loss_mask`` and to its ``seq_len`` when ``has_seq_len``, and ``>= 1``;
+    neither list column holds a null row or a null token. ``fingerprint`` (16
+    hex characters) is the same for the same data in every process and on every
+    machine, however the data was sharded; see ``open_dataset`` for what it
+    covers.
+    """
+
+    path: str
+    num_rows: int
+    lengths: I64 = field(repr=False)
+    fingerprint: str
+    has_seq_len: bool
+    table: pa.Table = field(repr=False)
+
+    @property
+    def num_tokens(self) -> int:
+        """Total tokens over all rows."""
+        return int(self.lengths.sum())
+
+
+def open_dataset(path: str | os.PathLike[str]) -> TokenDataset:
+    """Open and validate the dataset ``save_to_disk`` wrote into the folder ``path``.
+
+    Raises ``DatasetNotFoundError`` when ``path`` does not exist,
+    ``DatasetError`` when it is not one saved ``Dataset`` (a ``DatasetDict``
+    folder, a plain folder, a dataset with an indices mapping, a column of the
+    wrong type, a null row or token), ``MissingColumnsError``,
+    ``EmptyDatasetError``, ``LengthMismatchError`` (``loss_mask`` or
+    ``seq_len`` disagreeing with ``input_ids``) or ``ZeroLengthRowsError``.
+
+    The fingerprint is a blake2b digest of a format tag, the row count, the
+    column names and Arrow types, every row length, and ``FINGERPRINT_SAMPLE``
+    tokens of ``input_ids`` and of ``loss_mask`` at evenly spaced positions of
+    the flattened values. It changes whenever a length, a column, a type or a
+    sampled token changes; it does NOT change when only tokens between the
+    sampled positions change (same lengths), nor with the ``seq_len`` values
+    (they must equal the lengths) or with metadata such as ``dataset_info.json``.
+    """
+    where = os.path.abspath(os.fspath(path))
+    ds = _load(where)
+    table = ds.data.table
+    _check_columns(where, table)
+    num_rows = int(table.num_rows)
+    if num_rows == 0:
+        raise EmptyDatasetError(f"dataset {where} has no rows; ladle needs at least one")
+    for name in REQUIRED_COLUMNS:
+        _check_list_nulls(where, name, table.column(name))
+    lengths = _list_lengths(table.column(TOKENS))
+    mask_lengths = _list_lengths(table.column(LOSS_MASK))
+    _check_equal(where, "loss_mask length disagrees with the length of input_ids", mask_lengths, lengths)
+    has_seq_len = SEQ_LEN in table.column_names
+    if has_seq_len:
+        seq = table.column(SEQ_LEN)
+        if seq.null_count:
+            rows = np.flatnonzero(_is_null(seq))
+            raise DatasetError(
+                f"dataset {where}: column {SEQ_LEN!r} is null in {len(rows)} row(s) "
+                f"(first rows: {rows[:_FIRST_ROWS].tolist()})"
+            )
+        seq_values = np.asarray(seq.to_numpy(), dtype=np.int64)
+        _check_equal(where, "seq_len disagrees with the length of input_ids", seq_values, lengths)
+    empty = np.flatnonzero(lengths == 0)
+    if len(empty):
+        raise ZeroLengthRowsError(where, len(empty), empty[:_FIRST_ROWS].tolist())
+    lengths.flags.writeable = False
+    return TokenDataset(
+        path=where,
+        num_rows=num_rows,
+        lengths=lengths,
+        fingerprint=_fingerprint(table, lengths),
+        has_seq_len=has_seq_len,
+        table=table,
+    )
+
+
+def _load(where: str) -> Any:
+    """The ``datasets.Dataset`` in ``where``, memory-mapped, or a typed error."""
+    folder = Path(where)
+    if not folder.exists():
+        raise DatasetNotFoundError(f"no dataset at {where}: the path does not exist")
+    if not folder.is_dir():
+        raise DatasetError(f"{where} is a file; pass the folder that datasets.Dataset.save_to_disk wrote")
+    dict_json = folder / "dataset_dict.json"
+    if dict_json.is_file() and not (folder / "state.json").is_file():
+        splits = _splits(dict_json)
+        example = folder / (splits[0] if splits else "<split>")
+        raise DatasetError(
+            f"{where} holds a DatasetDict (splits {splits}); pass one split's folder, e.g. {example}"
+        )
+    if not (folder / "state.json").is_file() or not (folder / "dataset_info.json").is_file():
+        raise DatasetError(
+            f"{where} is not a saved dataset (no state.json / dataset_info.json); write it with "
+            "datasets.Dataset.save_to_disk and pass that folder"
+        )
+    try:
+        state = json.loads((folder / "state.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise DatasetError(f"{where}: state.json is unreadable: {exc}") from exc
+    if isinstance(state, dict) and state.get("_data_files") == []:
+        # save_to_disk writes no shard at all for a dataset without rows
+        raise EmptyDatasetError(f"dataset {where} has no rows; ladle needs at least one")
+    try:
+        ds = datasets.load_from_disk(where, keep_in_memory=False)
+    except (OSError, ValueError, KeyError, IndexError, TypeError, pa.ArrowException) as exc:
+        raise DatasetError(f"{where} could not be opened as a saved dataset: {exc}") from exc
+    if isinstance(ds, datasets.DatasetDict):
+        raise DatasetError(f"{where} holds a DatasetDict (splits {sorted(ds)}); pass one split's folder")
+    if getattr(ds, "_indices", None) is not None:
+        raise DatasetError(
+            f"dataset {where} has an indices mapping (from select/shuffle/filter); call "
+            "ds.flatten_indices() before save_to_disk so rows are stored in order"
+        )
+    return ds
+
+
+def _splits(dict_json: Path) -> list[str]:
+    try:
+        splits = json.loads(dict_json.read_text(encoding="utf-8")).get("splits", [])
+    except (OSError, ValueError, AttributeError):
+        return []
+    return [str(s) for s in splits] if isinstance(splits, list) else []
+
+
+def _is_list_of_int(arrow_type: Any) -> bool:
+    return bool(
+        (pa.types.is_list(arrow_type) or pa.types.is_large_list(arrow_type))
+        and pa.types.is_integer(arrow_type.value_type)
+    )
+
+
+def _check_columns(where: str, table: Any) -> None:
+    present = list(table.column_names)
+    missing = [name for name in REQUIRED_COLUMNS if name not in present]
+    if missing:
+        raise MissingColumnsError(where, missing, present)
+    schema = table.schema
+    for name in REQUIRED_COLUMNS:
+        arrow_type = schema.field(name).type
+        if not _is_list_of_int(arrow_type):
+            raise DatasetError(
+                f"dataset {where}: column {name!r} has Arrow type {arrow_type}; "
+                "expected a list (or large_list) of integers"
+            )
+    if SEQ_LEN in present:
+        arrow_type = schema.field(SEQ_LEN).type
+        if not pa.types.is_integer(arrow_type):
+            raise DatasetError(
+                f"dataset {where}: column {SEQ_LEN!r} has Arrow type {arrow_type}; "
+                "expected an integer (one length per row)"
+            )
+
+
+def _is_null(column: Any) -> npt.NDArray[np.bool_]:
+    return np.asarray(column.is_null().to_numpy(zero_copy_only=False), dtype=np.bool_)
+
+
+def _values(chunk: Any) -> Any:
+    """The flattened values of one list chunk, respecting the chunk's own slice."""
+    offsets = chunk.offsets
+    first = offsets[0].as_py()
+    return chunk.values.slice(first, offsets[len(offsets) - 1].as_py() - first)
+
+
+def _check_list_nulls(where: str, name: str, column: Any) -> None:
+    """No null row and no null token in the list column ``name``."""
+    if column.null_count:
+        rows = np.flatnonzero(_is_null(column))
+        raise DatasetError(
+            f"dataset {where}: column {name!r} is null in {len(rows)} row(s) "
+            f"(first rows: {rows[:_FIRST_ROWS].tolist()})"
+        )
+    base = 0
+    for chunk in column.chunks:
+        if chunk.values.null_count and _values(chunk).null_count:
+            parents = np.asarray(pc.list_parent_indices(chunk).to_numpy(), dtype=np.int64)
+            nulls = _is_null(pc.list_flatten(chunk))
+            rows = np.unique(parents[nulls]) + base
+            raise DatasetError(
+                f"dataset {where}: column {name!r} has null token(s) in {len(rows)} row(s) "
+                f"of one Arrow chunk (first rows: {rows[:_FIRST_ROWS].tolist()})"
+            )
+        base += len(chunk)
+
+
+def _list_lengths(column: Any) -> I64:
+    """Per-row list lengths from the Arrow offsets, chunk by chunk (no row is materialised)."""
+    parts = [np.diff(np.asarray(chunk.offsets.to_numpy(), dtype=np.int64)) for chunk in column.chunks]
+    if not parts:
+        return np.zeros(0, dtype=np.int64)
+    return np.concatenate(parts)
+
+
+def _check_equal(where: str, what: str, actual: I64, expected: I64) -> None:
+    bad = np.flatnonzero(actual != expected)
+    if len(bad):
+        raise LengthMismatchError(where, what, len(bad), bad[:_FIRST_ROWS].tolist())
+
+
+def _sample_positions(total: int, count: int = FINGERPRINT_SAMPLE) -> I64:
+    """``min(total, count)`` evenly spaced positions in ``[0, total)``, first and last included."""
+    if total <= count:
+        return np.arange(total, dtype=np.int64)
+    return (np.arange(count, dtype=np.int64) * (total - 1)) // (count - 1)
+
+
+def _sample_values(column: Any, positions: I64) -> I64:
+    """The flattened values of a list column at sorted ``positions``, read chunk by chunk."""
+    out = np.empty(len(positions), dtype=np.int64)
+    base = 0
+    for chunk in column.chunks:
+        values = _values(chunk)
+        lo, hi = np.searchsorted(positions, [base, base + len(values)])
+        if hi > lo:
+            array = np.asarray(values.to_numpy(zero_copy_only=False))
+            out[lo:hi] = array[positions[lo:hi] - base]
+        base += len(values)
+    return out
+
+
+def _fingerprint(table: Any, lengths: I64) -> str:
+    digest = hashlib.blake2b(_FINGERPRINT_TAG, digest_size=8)
+    digest.update(struct.pack("<q", int(table.num_rows)))
+    for schema_field in table.schema:
+        digest.update(f"\0{schema_field.name}\0{schema_field.type}".encode())
+    digest.update(b"\0lengths")
+    digest.update(lengths.astype("<i8").tobytes())
+    positions = _sample_positions(int(lengths.sum()))
+    for name in REQUIRED_COLUMNS:
+        digest.update(f"\0{name}".encode())
+        digest.update(_sample_values(table.column(name), positions).astype("<i8").tobytes())
+    return digest.hexdigest()

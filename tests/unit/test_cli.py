@@ -1,0 +1,104 @@
+"""``ladle plan`` and ``ladle make-dataset`` as a user runs them (in process and as a real command)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ladle.service.cli import main
+
+
+@pytest.fixture(scope="module")
+def sample(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("ds") / "sample"
+    assert main(["make-dataset", str(out), "--rows", "3000", "--seed", "1", "--scale", "0.0625"]) == 0
+    return out
+
+
+SMALL = ["--max-seq-len", "512", "--bucket-bounds", "0,48,76,108,152,206,513", "--token-budget", "3072"]
+
+
+def test_plan_json_keys(sample: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", str(sample), "--world-size", "4", "--json", *SMALL]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    for key in (
+        "buckets",
+        "num_steps",
+        "world_size",
+        "padding_efficiency",
+        "max_run",
+        "max_run_lower_bound",
+        "max_share_deviation",
+        "dropped",
+    ):
+        assert key in doc, f"plan --json lacks {key}"
+    assert doc["world_size"] == 4
+    assert len(doc["buckets"]) == 6
+    row = doc["buckets"][0]
+    for key in (
+        "samples",
+        "pct_samples",
+        "avg_len",
+        "max_len",
+        "rows_per_batch",
+        "batches",
+        "pct_batches",
+        "padding_efficiency",
+    ):
+        assert key in row
+    served = sum(r["samples"] for r in doc["buckets"])
+    assert served + doc["dropped_total"] == 3000, "plan lost samples"
+
+
+def test_plan_table_compare_and_loss(sample: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert (
+        main(["plan", str(sample), "--world-size", "2", "--compare", "random", "--simulate-loss", *SMALL])
+        == 0
+    )
+    out = capsys.readouterr().out
+    assert "% batches" in out
+    assert "random" in out
+    assert "longest run per bucket" in out
+    assert "std of windowed loss" in out
+
+
+def test_plan_json_compare(sample: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", str(sample), "--json", "--compare", "random", "--simulate-loss", *SMALL]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["compare"]["random"]["interleave"] == "random"
+    assert set(doc["simulated_loss"]) == {"ladle", "random"}
+
+
+def test_plan_config_file(sample: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(
+        '[schedule]\nmax_seq_len = 512\nbucket_bounds = "auto"\nnum_buckets = 3\ntoken_budget = 2048\n'
+    )
+    assert main(["plan", str(sample), "--json", "--config", str(cfg)]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert len(doc["bucket_bounds"]) == 4
+
+
+def test_errors_exit_2_with_one_line(sample: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", str(sample / "nope")]) == 2
+    assert "ladle: error:" in capsys.readouterr().err
+    assert main(["plan", str(sample), "--bucket-bounds", "0,50,40,8193"]) == 2
+    assert "bucket_bounds" in capsys.readouterr().err
+    assert main(["plan", str(sample), "--world-size", "0"]) == 2
+    assert "world_size" in capsys.readouterr().err
+
+
+def test_console_script_runs(sample: Path) -> None:
+    ladle = Path(sys.executable).with_name("ladle")
+    out = subprocess.run(
+        [str(ladle), "plan", str(sample), "--json", *SMALL],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+    )
+    assert json.loads(out.stdout)["num_steps"] > 0

@@ -1,0 +1,462 @@
+"""open_dataset (validation, lengths, fingerprint) and the synthetic dataset writer."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import datasets
+import numpy as np
+import numpy.typing as npt
+import pyarrow as pa
+import pytest
+from datasets.table import InMemoryTable
+
+from ladle.service import synth
+from ladle.service.dataset import FINGERPRINT_SAMPLE, TokenDataset, open_dataset
+from ladle.service.errors import (
+    ConfigError,
+    DatasetError,
+    DatasetNotFoundError,
+    EmptyDatasetError,
+    LengthMismatchError,
+    MissingColumnsError,
+    ZeroLengthRowsError,
+)
+from ladle.service.schedule.config import PRODUCTION_BOUNDS
+from ladle.service.synth import make_dataset, production_lengths
+
+TINY = 1 / 32  # production lengths / 32: at most 384 tokens a row
+
+
+# --- helpers ---------------------------------------------------------------
+
+
+def save_table(path: Path, table: pa.Table, **save_kwargs: Any) -> Path:
+    """Save an Arrow table exactly as a user's ``Dataset.save_to_disk`` would."""
+    datasets.Dataset(InMemoryTable(table)).save_to_disk(str(path), **save_kwargs)
+    return path
+
+
+def token_table(
+    rows: list[list[int]],
+    masks: list[list[int]] | None = None,
+    seq_len: list[int] | None = None,
+    list_type: Any = pa.list_,
+) -> pa.Table:
+    columns: dict[str, pa.Array] = {
+        "input_ids": pa.array(rows, type=list_type(pa.int32())),
+        "loss_mask": pa.array(
+            masks if masks is not None else [[1] * len(r) for r in rows],
+            type=list_type(pa.int8()),
+        ),
+    }
+    if seq_len is not None:
+        columns["seq_len"] = pa.array(seq_len, type=pa.int32())
+    return pa.table(columns)
+
+
+SMALL_ROWS = [[5, 6, 7], [8], [9, 10, 11, 12, 13], [14, 15]]
+
+
+def small(path: Path, **kwargs: Any) -> Path:
+    return save_table(path, token_table(SMALL_ROWS, seq_len=[len(r) for r in SMALL_ROWS]), **kwargs)
+
+
+def pack_batches(
+    lengths: npt.NDArray[np.integer],
+    bounds: tuple[int, ...] = PRODUCTION_BOUNDS,
+    max_seq_len: int = 8192,
+    token_budget: int = 49152,
+    max_rows: int = 64,
+) -> npt.NDArray[np.int64]:
+    """Batches per bucket: lengths cut to max_seq_len, sorted, filled greedily."""
+    cut = np.minimum(np.asarray(lengths, dtype=np.int64), max_seq_len)
+    bucket = np.searchsorted(np.asarray(bounds), cut, side="right") - 1
+    counts = np.zeros(len(bounds) - 1, dtype=np.int64)
+    for b in range(len(bounds) - 1):
+        sorted_lengths = np.sort(cut[bucket == b])
+        cap = np.minimum(max_rows, token_budget // sorted_lengths)
+        # a batch from s ends after the last j with j + 1 - cap[j] <= s (rising in j)
+        reach = np.arange(1, len(sorted_lengths) + 1) - cap
+        start = 0
+        while start < len(sorted_lengths):
+            start = int(np.searchsorted(reach, start, side="right"))
+            counts[b] += 1
+    return counts
+
+
+# --- make_dataset -> open_dataset round trip -------------------------------
+
+
+def test_round_trip(tmp_path: Path) -> None:
+    ds = make_dataset(tmp_path / "ds", 300, seed=3, scale=TINY, vocab_size=1000)
+    assert isinstance(ds, TokenDataset)
+    assert ds.num_rows == 300
+    assert ds.has_seq_len
+    assert len(ds.fingerprint) == 16
+    int(ds.fingerprint, 16)
+    np.testing.assert_array_equal(ds.lengths, production_lengths(300, 3, scale=TINY))
+    table = ds.table
+    assert table.schema.field("input_ids").type == pa.list_(pa.int32())
+    assert table.schema.field("loss_mask").type == pa.list_(pa.int8())
+    assert table.schema.field("seq_len").type == pa.int32()
+    np.testing.assert_array_equal(ds.lengths, table.column("seq_len").to_numpy())
+    rows = table.to_pylist()
+    np.testing.assert_array_equal(ds.lengths, [len(r["input_ids"]) for r in rows])
+    for row in rows:
+        tokens, mask = np.asarray(row["input_ids"]), np.asarray(row["loss_mask"])
+        assert len(mask) == len(tokens)
+        assert tokens.min() >= 1
+        assert tokens.max() < 1000
+        assert set(np.unique(mask)) <= {0, 1}
+        assert np.all(np.diff(mask) >= 0), "loss_mask is 0s (prompt) then 1s"
+        assert mask[-1] == 1, "every row has a trained token"
+    # reopening gives the same view
+    again = open_dataset(tmp_path / "ds")
+    assert again.fingerprint == ds.fingerprint
+    np.testing.assert_array_equal(again.lengths, ds.lengths)
+
+
+def test_lengths_are_read_only(tmp_path: Path) -> None:
+    ds = open_dataset(small(tmp_path / "ds"))
+    assert ds.lengths.dtype == np.int64
+    with pytest.raises(ValueError, match="read-only"):
+        ds.lengths[0] = 99
+    assert ds.num_tokens == sum(len(r) for r in SMALL_ROWS)
+
+
+def test_without_seq_len(tmp_path: Path) -> None:
+    ds = make_dataset(tmp_path / "ds", 50, seed=1, scale=TINY, with_seq_len=False)
+    assert not ds.has_seq_len
+    assert "seq_len" not in ds.table.column_names
+    np.testing.assert_array_equal(ds.lengths, production_lengths(50, 1, scale=TINY))
+
+
+def test_make_dataset_is_deterministic(tmp_path: Path) -> None:
+    a = make_dataset(tmp_path / "a", 200, seed=7, scale=TINY)
+    b = make_dataset(tmp_path / "b", 200, seed=7, scale=TINY)
+    c = make_dataset(tmp_path / "c", 200, seed=8, scale=TINY)
+    assert a.fingerprint == b.fingerprint
+    assert a.table.equals(b.table)
+    assert c.fingerprint != a.fingerprint
+
+
+def test_make_dataset_blocks_do_not_change_rows(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    whole = make_dataset(tmp_path / "whole", 400, seed=2, scale=TINY)
+    monkeypatch.setattr(synth, "BLOCK_TOKENS", 500)
+    blocked = make_dataset(tmp_path / "blocked", 400, seed=2, scale=TINY)
+    assert whole.num_tokens > 10 * 500, "several blocks were written"
+    assert blocked.fingerprint == whole.fingerprint
+    assert blocked.table.equals(whole.table)
+
+
+def test_make_dataset_large_list(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    small_lists = make_dataset(tmp_path / "small", 60, seed=4, scale=TINY)
+    monkeypatch.setattr(synth, "_LARGE_LIST_TOKENS", 0)
+    large = make_dataset(tmp_path / "large", 60, seed=4, scale=TINY)
+    assert large.table.schema.field("input_ids").type == pa.large_list(pa.int32())
+    assert large.table.schema.field("loss_mask").type == pa.large_list(pa.int8())
+    np.testing.assert_array_equal(large.lengths, small_lists.lengths)
+    assert large.table.column("input_ids").to_pylist() == small_lists.table.column("input_ids").to_pylist()
+
+
+def test_make_dataset_writes_several_shards(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(synth, "_MAX_SHARD_SIZE", 20_000)
+    ds = make_dataset(tmp_path / "ds", 500, seed=0, scale=TINY)
+    shards = sorted(p.name for p in (tmp_path / "ds").glob("data-*.arrow"))
+    assert len(shards) > 1
+    np.testing.assert_array_equal(ds.lengths, production_lengths(500, 0, scale=TINY))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"rows": 0}, "rows"),
+        ({"rows": 10, "scale": 0.0}, "scale"),
+        ({"rows": 10, "scale": -1.0}, "scale"),
+        ({"rows": 10, "seed": -1}, "seed"),
+        ({"rows": 10, "vocab_size": 1}, "vocab_size"),
+        ({"rows": 10, "max_seq_len": 0}, "max_seq_len"),
+    ],
+)
+def test_make_dataset_refuses_bad_arguments(tmp_path: Path, kwargs: dict[str, Any], field: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        make_dataset(tmp_path / "ds", **kwargs)
+    assert info.value.field == field
+    assert not (tmp_path / "ds").exists()
+
+
+def test_make_dataset_refuses_non_empty_folder(tmp_path: Path) -> None:
+    out = tmp_path / "ds"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    with pytest.raises(ConfigError) as info:
+        make_dataset(out, 10, scale=TINY)
+    assert info.value.field == "out"
+    assert str(out) in str(info.value)
+    assert (out / "keep.txt").read_text() == "mine"
+
+
+def test_make_dataset_accepts_empty_folder_and_leaves_no_temp(tmp_path: Path) -> None:
+    out = tmp_path / "ds"
+    out.mkdir()
+    make_dataset(out, 10, scale=TINY)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ds"]
+
+
+# --- the production length mix ---------------------------------------------
+
+
+def test_production_mix_longest_bucket_is_about_half_the_batches() -> None:
+    lengths = production_lengths(200_000, seed=0)
+    assert lengths.dtype == np.int32
+    counts = pack_batches(lengths)
+    share = counts[-1] / counts.sum()
+    assert 0.45 <= share <= 0.60, f"longest bucket yields {share:.1%} of batches ({counts})"
+
+
+def test_production_lengths_shape() -> None:
+    lengths = production_lengths(200_000, seed=0)
+    assert lengths.min() >= 1
+    assert lengths.max() <= 12288
+    overlong = np.mean(lengths > 8192)
+    assert 0.002 <= overlong <= 0.004
+    np.testing.assert_array_equal(lengths, production_lengths(200_000, seed=0))
+    assert not np.array_equal(lengths, production_lengths(200_000, seed=1))
+
+
+def test_production_lengths_scale() -> None:
+    full = production_lengths(10_000, seed=5)
+    tiny = production_lengths(10_000, seed=5, scale=TINY)
+    assert tiny.min() >= 1
+    np.testing.assert_array_equal(tiny, np.ceil(full * TINY).astype(np.int32))
+    # over-long rows stay over-long at the scaled max_seq_len
+    np.testing.assert_array_equal(tiny > 8192 * TINY, full > 8192)
+
+
+# --- fingerprint -----------------------------------------------------------
+
+
+def test_fingerprint_stable_across_saves_and_sharding(tmp_path: Path) -> None:
+    a = open_dataset(small(tmp_path / "a"))
+    b = open_dataset(small(tmp_path / "b", num_shards=2))
+    assert a.fingerprint == b.fingerprint
+    assert len(b.table.column("input_ids").chunks) >= 2
+
+
+def test_fingerprint_changes_with_a_length(tmp_path: Path) -> None:
+    base = open_dataset(small(tmp_path / "base")).fingerprint
+    rows = [list(r) for r in SMALL_ROWS]
+    rows[2].append(99)
+    changed = open_dataset(
+        save_table(tmp_path / "changed", token_table(rows, seq_len=[len(r) for r in rows]))
+    )
+    assert changed.fingerprint != base
+
+
+def test_fingerprint_changes_with_a_token(tmp_path: Path) -> None:
+    base = open_dataset(small(tmp_path / "base")).fingerprint
+    rows = [list(r) for r in SMALL_ROWS]
+    rows[2][3] += 1  # small data: every token is sampled
+    seq = [len(r) for r in rows]
+    assert open_dataset(save_table(tmp_path / "tok", token_table(rows, seq_len=seq))).fingerprint != base
+    masks = [[1] * len(r) for r in SMALL_ROWS]
+    masks[0][0] = 0
+    assert (
+        open_dataset(save_table(tmp_path / "mask", token_table(SMALL_ROWS, masks, seq))).fingerprint != base
+    )
+
+
+def test_fingerprint_samples_large_data(tmp_path: Path) -> None:
+    """Past FINGERPRINT_SAMPLE tokens: sampled tokens count, unsampled ones (documented) do not."""
+    rng = np.random.default_rng(0)
+    rows = [rng.integers(1, 1000, size=100).tolist() for _ in range(100)]  # 10,000 tokens
+    assert sum(map(len, rows)) > FINGERPRINT_SAMPLE
+    base = open_dataset(save_table(tmp_path / "base", token_table(rows))).fingerprint
+
+    first = [list(r) for r in rows]
+    first[0][0] += 1  # position 0 is always sampled
+    assert open_dataset(save_table(tmp_path / "first", token_table(first))).fingerprint != base
+    last = [list(r) for r in rows]
+    last[-1][-1] += 1  # so is the last position
+    assert open_dataset(save_table(tmp_path / "last", token_table(last))).fingerprint != base
+    # flattened position 1 lies between the sampled positions 0 and 2
+    unsampled = [list(r) for r in rows]
+    unsampled[0][1] += 1
+    assert open_dataset(save_table(tmp_path / "uns", token_table(unsampled))).fingerprint == base
+
+
+# --- chunks, shards and sliced chunks --------------------------------------
+
+
+def test_lengths_across_shards_and_chunks(tmp_path: Path) -> None:
+    rng = np.random.default_rng(1)
+    lengths = rng.integers(1, 50, size=1000)
+    rows = [list(range(1, n + 1)) for n in lengths.tolist()]
+    path = save_table(tmp_path / "ds", token_table(rows, seq_len=lengths.tolist()), num_shards=3)
+    ds = open_dataset(path)
+    assert ds.table.column("input_ids").num_chunks >= 3
+    np.testing.assert_array_equal(ds.lengths, lengths)
+
+
+def test_sliced_chunks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Chunks that are slices of bigger arrays (non-zero offsets) read the right lengths."""
+    rng = np.random.default_rng(2)
+    lengths = rng.integers(1, 20, size=60)
+    rows = [rng.integers(1, 500, size=n).tolist() for n in lengths.tolist()]
+    whole = token_table(rows, seq_len=lengths.tolist())
+    reference = open_dataset(save_table(tmp_path / "ref", whole))
+
+    def sliced(name: str) -> pa.ChunkedArray:
+        # the column as chunks [0, 7) [7, 30) [30, 60), each a slice of a padded array
+        padded = pa.concat_arrays([whole.column(name).chunk(0).slice(50), *whole.column(name).chunks])
+        shift = len(padded) - len(whole)
+        return pa.chunked_array([padded.slice(shift + a, b - a) for a, b in [(0, 7), (7, 30), (30, 60)]])
+
+    table = pa.table({name: sliced(name) for name in whole.column_names})
+    assert table.column("input_ids").chunk(1).offset > 0
+    monkeypatch.setattr(datasets, "load_from_disk", lambda *a, **k: datasets.Dataset(InMemoryTable(table)))
+    ds = open_dataset(tmp_path / "ref")  # the folder is real; its content comes from `table`
+    np.testing.assert_array_equal(ds.lengths, lengths)
+    assert ds.fingerprint == reference.fingerprint
+
+
+def test_large_list_columns(tmp_path: Path) -> None:
+    ds = open_dataset(save_table(tmp_path / "ds", token_table(SMALL_ROWS, list_type=pa.large_list)))
+    np.testing.assert_array_equal(ds.lengths, [len(r) for r in SMALL_ROWS])
+    assert not ds.has_seq_len
+
+
+# --- every refusal ---------------------------------------------------------
+
+
+def test_missing_path(tmp_path: Path) -> None:
+    missing = tmp_path / "nope"
+    with pytest.raises(DatasetNotFoundError) as info:
+        open_dataset(missing)
+    assert str(missing) in str(info.value)
+    assert info.value.kind == "not_found"
+
+
+def test_plain_folder_is_not_a_dataset(tmp_path: Path) -> None:
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "folder" / "data.txt").write_text("hello")
+    with pytest.raises(DatasetError, match="not a saved dataset") as info:
+        open_dataset(tmp_path / "folder")
+    assert str(tmp_path / "folder") in str(info.value)
+    assert type(info.value) is DatasetError
+
+
+def test_file_is_not_a_dataset(tmp_path: Path) -> None:
+    (tmp_path / "file.arrow").write_bytes(b"")
+    with pytest.raises(DatasetError, match="is a file"):
+        open_dataset(tmp_path / "file.arrow")
+
+
+def test_corrupt_shard(tmp_path: Path) -> None:
+    path = small(tmp_path / "ds")
+    next(path.glob("data-*.arrow")).write_bytes(b"not arrow")
+    with pytest.raises(DatasetError, match="could not be opened"):
+        open_dataset(path)
+
+
+def test_dataset_dict_needs_a_split(tmp_path: Path) -> None:
+    train = datasets.Dataset(InMemoryTable(token_table(SMALL_ROWS)))
+    datasets.DatasetDict({"train": train}).save_to_disk(str(tmp_path / "dd"))
+    with pytest.raises(DatasetError, match="DatasetDict") as info:
+        open_dataset(tmp_path / "dd")
+    assert "train" in str(info.value)
+    assert open_dataset(tmp_path / "dd" / "train").num_rows == len(SMALL_ROWS)
+
+
+def test_indices_mapping_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = small(tmp_path / "ds")
+    shuffled = datasets.Dataset(InMemoryTable(token_table(SMALL_ROWS))).select([3, 1, 0, 2])
+    assert shuffled._indices is not None
+    monkeypatch.setattr(datasets, "load_from_disk", lambda *a, **k: shuffled)
+    with pytest.raises(DatasetError, match="flatten_indices"):
+        open_dataset(path)
+
+
+def test_missing_columns(tmp_path: Path) -> None:
+    table = pa.table({"input_ids": pa.array([[1, 2]], type=pa.list_(pa.int32())), "text": ["hi"]})
+    with pytest.raises(MissingColumnsError) as info:
+        open_dataset(save_table(tmp_path / "ds", table))
+    assert info.value.missing == ["loss_mask"]
+    assert "loss_mask" in str(info.value)
+    assert str(tmp_path / "ds") in str(info.value)
+
+
+def test_empty_dataset(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # save_to_disk writes no shard for zero rows
+    with pytest.raises(EmptyDatasetError) as info:
+        open_dataset(save_table(tmp_path / "ds", token_table([])))
+    assert str(tmp_path / "ds") in str(info.value)
+    # a loaded dataset with zero rows (however it came about) is refused the same way
+    path = small(tmp_path / "other")
+    empty = datasets.Dataset(InMemoryTable(token_table([])))
+    monkeypatch.setattr(datasets, "load_from_disk", lambda *a, **k: empty)
+    with pytest.raises(EmptyDatasetError, match="no rows"):
+        open_dataset(path)
+
+
+def test_seq_len_mismatch(tmp_path: Path) -> None:
+    seq = [len(r) for r in SMALL_ROWS]
+    seq[1] += 1
+    seq[3] = 7
+    with pytest.raises(LengthMismatchError) as info:
+        open_dataset(save_table(tmp_path / "ds", token_table(SMALL_ROWS, seq_len=seq)))
+    assert "seq_len disagrees with the length of input_ids" in str(info.value)
+    assert info.value.count == 2
+    assert info.value.first_rows == [1, 3]
+
+
+def test_loss_mask_length_mismatch(tmp_path: Path) -> None:
+    masks = [[1] * len(r) for r in SMALL_ROWS]
+    masks[2] = masks[2][:-1]
+    with pytest.raises(LengthMismatchError) as info:
+        open_dataset(save_table(tmp_path / "ds", token_table(SMALL_ROWS, masks)))
+    assert "loss_mask" in str(info.value)
+    assert info.value.first_rows == [2]
+
+
+def test_zero_length_rows(tmp_path: Path) -> None:
+    rows = [[1, 2], [], [3], []]
+    with pytest.raises(ZeroLengthRowsError) as info:
+        open_dataset(save_table(tmp_path / "ds", token_table(rows, seq_len=[2, 0, 1, 0])))
+    assert info.value.count == 2
+    assert info.value.first_rows == [1, 3]
+
+
+@pytest.mark.parametrize(
+    ("column", "array", "type_text"),
+    [
+        ("input_ids", pa.array([["a"], ["b", "c"]]), "string"),
+        ("input_ids", pa.array([1, 2], type=pa.int32()), "int32"),
+        ("loss_mask", pa.array([[1.0], [0.5, 1.0]]), "double"),
+        ("seq_len", pa.array([1.0, 2.0]), "double"),
+        ("seq_len", pa.array([[1], [2]]), "list"),
+    ],
+)
+def test_wrong_column_types(tmp_path: Path, column: str, array: pa.Array, type_text: str) -> None:
+    table = token_table([[1], [2, 3]], seq_len=[1, 2])
+    table = table.set_column(table.column_names.index(column), column, array)
+    with pytest.raises(DatasetError) as info:
+        open_dataset(save_table(tmp_path / "ds", table))
+    assert type(info.value) is DatasetError
+    assert repr(column) in str(info.value)
+    assert type_text in str(info.value)
+
+
+def test_null_rows_and_tokens(tmp_path: Path) -> None:
+    null_row = token_table([[1], [2, 3]]).set_column(
+        0, "input_ids", pa.array([[1], None], type=pa.list_(pa.int32()))
+    )
+    with pytest.raises(DatasetError, match=r"'input_ids' is null in 1 row\(s\) \(first rows: \[1\]\)"):
+        open_dataset(save_table(tmp_path / "row", null_row))
+    null_token = token_table([[1], [2, 3]]).set_column(
+        1, "loss_mask", pa.array([[1], [1, None]], type=pa.list_(pa.int8()))
+    )
+    with pytest.raises(DatasetError, match=r"'loss_mask' has null token.*first rows: \[1\]"):
+        open_dataset(save_table(tmp_path / "token", null_token))
