@@ -9,9 +9,11 @@ the quality figures, shuffle-then-pack for padding, the production bounds for
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from typing import Any
 
@@ -38,12 +40,12 @@ def _child_peak_rss(code: str) -> float:
 
 
 _RSS_CODE = """
-import resource, numpy as np
-from ladle.service.synth import production_lengths
+import numpy as np
 from ladle.service.schedule import ScheduleConfig, build_schedule
-lengths = production_lengths({rows}, 0)
+lengths = np.load({path!r})
 {body}
-print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+# VmHWM belongs to this process image (ru_maxrss would include the parent's at fork)
+print([int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmHWM")][0] / 1024)
 """
 
 
@@ -53,13 +55,12 @@ def bench_build(rows: int, world_size: int = 8, repeat: int = 3) -> dict[str, An
     sort_s = _median_time(lambda: np.sort(lengths), repeat)
     sort64_s = _median_time(lambda: np.sort(lengths.astype(np.int64)), repeat)
     build_s = _median_time(lambda: build_schedule(lengths, config, world_size=world_size), repeat)
-    base_rss = _child_peak_rss(_RSS_CODE.format(rows=rows, body="pass"))
-    build_rss = _child_peak_rss(
-        _RSS_CODE.format(
-            rows=rows,
-            body=f"s = build_schedule(lengths, ScheduleConfig(), world_size={world_size})",
-        )
-    )
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "lengths.npy")
+        np.save(path, lengths)
+        base_rss = _child_peak_rss(_RSS_CODE.format(path=path, body="pass"))
+        body = f"s = build_schedule(lengths, ScheduleConfig(), world_size={world_size})"
+        build_rss = _child_peak_rss(_RSS_CODE.format(path=path, body=body))
     sched = build_schedule(lengths, config, world_size=world_size)
     return {
         "rows": rows,

@@ -17,12 +17,12 @@ __all__ = ["MAX_CANDIDATES", "assign_buckets", "auto_bounds", "quantile_bounds"]
 MAX_CANDIDATES = 512
 
 
-def assign_buckets(lengths: npt.NDArray[np.integer], bounds: tuple[int, ...]) -> npt.NDArray[np.int16]:
+def assign_buckets(lengths: npt.NDArray[np.integer], bounds: tuple[int, ...]) -> npt.NDArray[np.int8]:
     """Bucket id of every length (lengths already within ``[bounds[0], bounds[-1])``)."""
     edges = np.asarray(bounds, dtype=np.int64)
     every = np.arange(int(edges[-1]), dtype=np.int64)
-    table: npt.NDArray[np.int16] = (np.searchsorted(edges, every, side="right") - 1).astype(np.int16)
-    out: npt.NDArray[np.int16] = table[lengths]
+    table: npt.NDArray[np.int8] = (np.searchsorted(edges, every, side="right") - 1).astype(np.int8)
+    out: npt.NDArray[np.int8] = np.take(table, lengths)
     return out
 
 

@@ -85,6 +85,8 @@ class ScheduleConfig(BaseModel):
         bounds = tuple(int(b) for b in value)
         if len(bounds) < 2:
             raise ValueError("needs at least two edges (one bucket)")
+        if len(bounds) > 65:
+            raise ValueError(f"at most 64 buckets, got {len(bounds) - 1}")
         if any(b < 0 for b in bounds):
             raise ValueError(f"edges must be non-negative, got {list(bounds)}")
         if any(b >= a for a, b in zip(bounds[1:], bounds[:-1], strict=True)):

@@ -19,7 +19,8 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from ._seeds import STAGE_BATCH_ORDER, STAGE_CHUNKS, permutation, random_u64
+from ..errors import ScheduleError
+from ._seeds import STAGE_BATCH_ORDER, STAGE_CHUNKS, permutation
 from .config import ScheduleConfig
 
 __all__ = ["Packed", "pack"]
@@ -27,17 +28,24 @@ __all__ = ["Packed", "pack"]
 I64 = npt.NDArray[np.int64]
 
 
+IntArray = npt.NDArray[np.integer]
+
+# Rows are processed in blocks of this many, so every temporary is small and
+# only the 64-bit sort keys and the sorted rows and lengths span the dataset.
+BLOCK = 1 << 20
+
+
 @dataclass(frozen=True)
 class Packed:
     """Batches as slices of one row array: batch i is ``rows[start[i]:start[i] + size[i]]``.
 
     Inside a batch, rows are in ascending length order, so the last one is the
-    longest. ``order`` lists batch ids bucket by bucket, each bucket's batches
-    in a seeded random order.
+    longest. ``rows`` and ``lengths`` are int32 below 2**31 rows (int64 above);
+    the per-batch arrays are int64.
     """
 
-    rows: I64
-    lengths: I64
+    rows: IntArray
+    lengths: IntArray
     start: I64
     size: I64
     bucket: I64
@@ -52,99 +60,129 @@ def _bits(n: int) -> int:
     return max(1, int(n).bit_length())
 
 
-def _sorted_rows(
-    rows: I64,
-    lengths: I64,
-    buckets: npt.NDArray[np.integer],
+def _blocks(n: int) -> list[tuple[int, int]]:
+    return [(a, min(a + BLOCK, n)) for a in range(0, n, BLOCK)]
+
+
+def _bucket_counts(buckets: IntArray, num_buckets: int) -> I64:
+    if num_buckets <= 16:  # a few passes over int8 beat bincount's cast to intp
+        return np.array([np.count_nonzero(buckets == b) for b in range(num_buckets)], dtype=np.int64)
+    return np.bincount(buckets, minlength=num_buckets).astype(np.int64)
+
+
+def _sorted_keys(
+    rows: IntArray | None,
+    lengths: IntArray,
+    buckets: IntArray,
     num_buckets: int,
     config: ScheduleConfig,
     epoch: int,
-    num_rows_total: int,
-) -> tuple[I64, I64, I64, int]:
-    """Rows ordered by (bucket, random chunk, length, row).
-
-    Returns the rows, their lengths, a segment id per row (bucket and chunk;
-    equal ids are one sorted chunk) and the number of low bits of the segment
-    id that hold the chunk (so ``segment >> chunk_bits`` is the bucket).
-    """
-    n = len(rows)
-    per_bucket = np.bincount(buckets, minlength=num_buckets)
-    chunks = np.maximum(1, -(-per_bucket // config.sort_chunk)).astype(np.uint64)
-    row_bits = _bits(num_rows_total)
-    len_bits = _bits(int(config.max_seq_len))
-    chunk_bits = _bits(int(chunks.max()))
-    bucket_bits = _bits(num_buckets)
-    # chunk = floor(u * chunks[bucket]) for a uniform 32-bit u, computed in place
-    seg = chunks[buckets]
-    seg *= random_u64(n, config.seed, epoch, STAGE_CHUNKS) >> np.uint64(32)
-    seg >>= np.uint64(32)
-    chunk = seg.view(np.int64)
-    bucket_base = np.arange(num_buckets, dtype=np.int64) << chunk_bits
-    chunk += bucket_base[buckets]  # now bucket << chunk_bits | chunk
-    if row_bits + len_bits + chunk_bits + bucket_bits <= 63:
-        key = chunk
-        key <<= len_bits
-        key |= lengths
-        key <<= row_bits
-        key |= rows
-        key.sort()
-        rows_sorted = key & ((1 << row_bits) - 1)
-        key >>= row_bits
-        lengths_sorted = key & ((1 << len_bits) - 1)
-        key >>= len_bits
-        return rows_sorted, lengths_sorted, key, chunk_bits
-    # very large datasets: the same order, without packing into one word
-    order = np.lexsort((rows, lengths, chunk))
-    return rows[order], lengths[order], chunk[order], chunk_bits
+    row_bits: int,
+    len_bits: int,
+    chunk_bits: int,
+    chunks: npt.NDArray[np.uint64],
+) -> I64:
+    """Sorted keys ``bucket | chunk | length | row`` packed into one int64 each."""
+    n = len(lengths)
+    key = np.empty(n, dtype=np.int64)
+    ukey = key.view(np.uint64)
+    base = (np.arange(num_buckets, dtype=np.int64) << chunk_bits).astype(np.uint64)
+    draws = np.random.PCG64(np.random.SeedSequence([config.seed, epoch, STAGE_CHUNKS]))
+    for a, b in _blocks(n):
+        part = ukey[a:b]
+        bk = buckets[a:b]
+        np.take(chunks, bk, out=part)
+        # chunk = floor(u * chunks[bucket]) for the top 32 bits u of the stream
+        part *= np.asarray(draws.random_raw(b - a), dtype=np.uint64) >> np.uint64(32)
+        part >>= np.uint64(32)
+        part += np.take(base, bk)
+        part <<= np.uint64(len_bits)
+        part |= lengths[a:b].astype(np.uint64)
+        part <<= np.uint64(row_bits)
+        part |= np.arange(a, b, dtype=np.uint64) if rows is None else rows[a:b].astype(np.uint64)
+    key.sort()
+    return key
 
 
 def pack(
-    rows: I64,
-    lengths: I64,
-    buckets: npt.NDArray[np.integer],
+    rows: IntArray | None,
+    lengths: IntArray,
+    buckets: IntArray,
     num_buckets: int,
     config: ScheduleConfig,
     epoch: int,
     num_rows_total: int,
 ) -> Packed:
-    """Pack ``rows`` (with their cut lengths and bucket ids) into batches for ``epoch``."""
-    if len(rows) == 0:
-        empty = np.empty(0, dtype=np.int64)
+    """Pack the samples into batches for ``epoch``.
+
+    ``lengths`` are the cut lengths and ``buckets`` the bucket ids of the
+    samples; ``rows`` their row indices (``None``: all rows, ``0..n-1``).
+    """
+    n = len(lengths)
+    empty = np.empty(0, dtype=np.int64)
+    if n == 0:
         return Packed(empty, empty, empty, empty, empty, empty)
-    rows_s, len_s, segment, chunk_bits = _sorted_rows(
-        rows, lengths, buckets, num_buckets, config, epoch, num_rows_total
+    per_bucket = _bucket_counts(buckets, num_buckets)
+    chunks = np.maximum(1, -(-per_bucket // config.sort_chunk)).astype(np.uint64)
+    row_bits = _bits(num_rows_total)
+    len_bits = _bits(int(config.max_seq_len))
+    chunk_bits = _bits(int(chunks.max()))
+    if row_bits + len_bits + chunk_bits + _bits(num_buckets) > 62:
+        raise ScheduleError(
+            f"{num_rows_total} rows with max_seq_len {config.max_seq_len} and sort_chunk "
+            f"{config.sort_chunk} do not fit ladle's 62-bit sort keys; raise sort_chunk or split the dataset"
+        )
+    key = _sorted_keys(
+        rows, lengths, buckets, num_buckets, config, epoch, row_bits, len_bits, chunk_bits, chunks
     )
-    n = len(rows_s)
+
+    # Decode in blocks into compact arrays; the key array becomes the segment id.
+    rows_sorted: IntArray = np.empty(n, dtype=np.int32 if num_rows_total < 2**31 else np.int64)
+    lengths_sorted = np.empty(n, dtype=np.int32)
+    row_mask = np.int64((1 << row_bits) - 1)
+    len_mask = np.int64((1 << len_bits) - 1)
+    for a, b in _blocks(n):
+        part = key[a:b]
+        np.bitwise_and(part, row_mask, out=rows_sorted[a:b], casting="unsafe")
+        part >>= row_bits
+        np.bitwise_and(part, len_mask, out=lengths_sorted[a:b], casting="unsafe")
+        part >>= len_bits
+    segment = key
+
+    # A batch starting at s in a sorted segment ends after the last j with
+    # j + 1 - cap[j] <= s; that quantity rises strictly within a segment, so
+    # adding a per-segment offset makes it searchable with one sorted array.
+    seg_start = np.r_[0, np.flatnonzero(segment[1:] != segment[:-1]) + 1]
+    seg_end = np.r_[seg_start[1:], n]
+    seg_raw = segment[seg_start]  # a copy: the key array is reused below
+    seg_bucket = seg_raw >> chunk_bits
     pad = config.pad_to_multiple_of
     every = np.arange(config.max_seq_len + 1, dtype=np.int64)
     padded_of = -(-every // pad) * pad
     cap_of = np.minimum(config.max_batch_size, config.token_budget // np.maximum(padded_of, 1))
-    # A batch starting at s in a sorted segment ends after the last j with
-    # j + 1 - cap[j] <= s; that quantity rises strictly within a segment, so
-    # adding a per-segment offset makes it searchable with one sorted array.
-    seg_start = np.flatnonzero(segment[1:] != segment[:-1]) + 1
-    seg_start = np.r_[0, seg_start]
-    seg_end = np.r_[seg_start[1:], n]
     big = n + config.max_batch_size + 2
-    reach = np.repeat(np.arange(len(seg_start), dtype=np.int64) * big, seg_end - seg_start)
-    reach += np.arange(1, n + 1, dtype=np.int64)
-    reach -= cap_of[len_s]
+    reach = key  # reused in place: segment id * big + j + 1 - cap[j]
+    for a, b in _blocks(n):
+        part = reach[a:b]
+        part *= big
+        part += np.arange(a + 1, b + 1, dtype=np.int64)
+        part -= np.take(cap_of, lengths_sorted[a:b])
     starts = []
     pointer = seg_start
     end = seg_end
-    seg_ids = np.arange(len(seg_start), dtype=np.int64)
+    seg_ids = seg_raw
     while len(pointer):
         starts.append(pointer)
         nxt = np.searchsorted(reach, pointer + seg_ids * big, side="right")
         np.minimum(nxt, end, out=nxt)
         alive = nxt < end
         pointer, end, seg_ids = nxt[alive], end[alive], seg_ids[alive]
-    del reach
+    del reach, key, segment
     start = np.sort(np.concatenate(starts))
     size = np.diff(np.r_[start, n])
     last = start + size - 1
-    bucket = segment[start] >> chunk_bits
-    return Packed(rows_s, len_s, start, size, bucket, padded_of[len_s[last]])
+    bucket = seg_bucket[np.searchsorted(seg_start, start, side="right") - 1]
+    return Packed(rows_sorted, lengths_sorted, start, size, bucket, padded_of[lengths_sorted[last]])
 
 
 def batch_order(packed: Packed, num_buckets: int, config: ScheduleConfig, epoch: int) -> list[I64]:

@@ -48,7 +48,7 @@ def fit_to_world(
         groups = [np.arange(packed.num_batches)]
     keep_start: list[I64] = []
     keep_size: list[I64] = []
-    dropped: list[I64] = []
+    dropped: list[npt.NDArray[np.integer]] = []
     for members in groups:
         count = len(members)
         short = (-count) % world_size
@@ -74,9 +74,9 @@ def fit_to_world(
     order = np.argsort(start, kind="stable")
     start, size = start[order], size[order]
     last = start + size - 1
-    padded = -(-packed.lengths[last] // pad) * pad
-    # the bucket of a row slice is the bucket of the batch it came from
-    bucket_of_pos = np.repeat(packed.bucket, packed.size)
-    fitted = Packed(packed.rows, packed.lengths, start, size, bucket_of_pos[start], padded)
-    dropped_rows = np.sort(np.concatenate(dropped)) if dropped else np.empty(0, np.int64)
+    padded = -(-packed.lengths[last].astype(np.int64) // pad) * pad
+    # a (possibly halved) slice keeps the bucket of the batch it came from
+    origin = np.searchsorted(packed.start, start, side="right") - 1
+    fitted = Packed(packed.rows, packed.lengths, start, size, packed.bucket[origin], padded)
+    dropped_rows = np.sort(np.concatenate(dropped)).astype(np.int64) if dropped else np.empty(0, np.int64)
     return fitted, dropped_rows

@@ -111,7 +111,7 @@ class Schedule:
         """Row indices of the batch of ``rank`` at ``step``, in row order."""
         b = self._batch(step, rank)
         start = int(self._packed.start[b])
-        return np.sort(self._packed.rows[start : start + int(self._packed.size[b])])
+        return np.sort(self._packed.rows[start : start + int(self._packed.size[b])]).astype(np.int64)
 
     def lengths(self, step: int, rank: int) -> I64:
         """Cut lengths of ``samples(step, rank)``, in the same order."""
@@ -119,7 +119,8 @@ class Schedule:
         start = int(self._packed.start[b])
         rows = self._packed.rows[start : start + int(self._packed.size[b])]
         order = np.argsort(rows)
-        return self._packed.lengths[start : start + int(self._packed.size[b])][order]
+        out: I64 = self._packed.lengths[start : start + int(self._packed.size[b])][order].astype(np.int64)
+        return out
 
     def padded_len(self, step: int, rank: int) -> int:
         return int(self._packed.padded_len[self._batch(step, rank)])
@@ -138,7 +139,7 @@ class Schedule:
 
     def batch_real_tokens(self) -> I64:
         """Real (unpadded, cut) tokens per batch, ``[num_steps, world_size]``."""
-        cum = np.r_[0, np.cumsum(self._packed.lengths)]
+        cum = np.r_[0, np.cumsum(self._packed.lengths, dtype=np.int64)]
         start = self._packed.start
         totals = cum[start + self._packed.size] - cum[start]
         out: I64 = totals[self.batch_ids]
@@ -151,7 +152,7 @@ class Schedule:
         if len(start) == 0:
             return np.empty(0, dtype=np.int64)
         offsets = np.repeat(start - np.r_[0, np.cumsum(size)[:-1]], size)
-        out: I64 = self._packed.rows[np.arange(int(size.sum())) + offsets]
+        out: I64 = self._packed.rows[np.arange(int(size.sum())) + offsets].astype(np.int64)
         return out
 
     def content_hash(self) -> str:
@@ -170,19 +171,23 @@ class Schedule:
         )
 
 
-def _as_lengths(lengths: npt.ArrayLike) -> I64:
+def _as_lengths(lengths: npt.ArrayLike) -> npt.NDArray[np.integer]:
+    """The lengths as a 1-D integer array (no copy when they already are one), all positive."""
     arr = np.asarray(lengths)
     if arr.ndim != 1:
         raise ScheduleError(f"lengths: expected a 1-D array, got shape {arr.shape}")
-    if arr.size and not np.issubdtype(arr.dtype, np.integer):
+    if arr.size == 0:
+        return arr.astype(np.int64)
+    if not np.issubdtype(arr.dtype, np.integer):
         raise ScheduleError(f"lengths: expected integers, got dtype {arr.dtype}")
-    out = arr.astype(np.int64, copy=False)
-    if out.size and int(out.min()) <= 0:
-        bad = np.flatnonzero(out <= 0)
+    if int(arr.min()) <= 0:
+        bad = np.flatnonzero(arr <= 0)
         raise ScheduleError(
             f"lengths: {len(bad)} sample(s) have non-positive length (first rows: {bad[:5].tolist()})"
         )
-    return out
+    if arr.dtype.itemsize > 8 or (arr.dtype.kind == "u" and arr.dtype.itemsize == 8):
+        arr = arr.astype(np.int64)
+    return arr
 
 
 def resolve_bounds(lengths: npt.ArrayLike, config: ScheduleConfig) -> tuple[int, ...]:
@@ -202,10 +207,9 @@ def resolve_bounds(lengths: npt.ArrayLike, config: ScheduleConfig) -> tuple[int,
         auto_bounds(cut, k, top, pad, objective="pad_to_max"),
         quantile_bounds(cut, config.num_buckets, config.max_seq_len),
     ]
-    rows = np.arange(len(cut), dtype=np.int64)
     best: tuple[float, tuple[int, ...]] | None = None
     for bounds in dict.fromkeys(candidates):
-        packed = pack(rows, cut, assign_buckets(cut, bounds), len(bounds) - 1, config, 0, len(cut))
+        packed = pack(None, cut, assign_buckets(cut, bounds), len(bounds) - 1, config, 0, len(cut))
         padded = float((packed.size * packed.padded_len).sum())
         if best is None or padded < best[0]:
             best = (padded, bounds)
@@ -229,7 +233,8 @@ def build_schedule(
     dropped: dict[str, I64] = {}
 
     over = lens > config.max_seq_len
-    rows: I64
+    rows: I64 | None = None  # None: every row, in order
+    cut: npt.NDArray[np.integer] = lens
     if over.any():
         if config.overlong == "error":
             bad = np.flatnonzero(over)
@@ -239,18 +244,16 @@ def build_schedule(
             rows = np.flatnonzero(~over)
             cut = lens[rows]
         else:
-            rows = np.arange(num_rows, dtype=np.int64)
             cut = np.minimum(lens, config.max_seq_len)
-    else:
-        rows = np.arange(num_rows, dtype=np.int64)
-        cut = lens
-    if len(rows) == 0:
+    del over
+    if len(cut) == 0:
         raise ScheduleError("every sample was dropped as over-long; nothing to schedule")
 
     bounds = resolve_bounds(cut, config) if config.bucket_bounds == "auto" else tuple(config.bucket_bounds)
     num_buckets = len(bounds) - 1
     bucket_ids = assign_buckets(cut, bounds)
     packed = pack(rows, cut, bucket_ids, num_buckets, config, epoch, num_rows)
+    del cut
     del bucket_ids
     packed, lost = fit_to_world(
         packed,
@@ -264,7 +267,8 @@ def build_schedule(
         dropped["remainder"] = lost
     if packed.num_batches == 0:
         raise ScheduleError(
-            f"no complete step: {len(rows)} row(s) cannot give each of {world_size} ranks a batch"
+            f"no complete step: {num_rows - len(dropped.get('overlong', ()))} row(s) cannot give "
+            f"each of {world_size} ranks a batch"
             + (" of one bucket (rank_mode='sync')" if config.rank_mode == "sync" else "")
         )
 
