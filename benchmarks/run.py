@@ -10,18 +10,28 @@ from __future__ import annotations
 import json
 import sys
 
-from benchmarks import bench_schedule
+from benchmarks import bench_dataset, bench_schedule
 
 
 def main(argv: list[str]) -> int:
     full = "--full" in argv
-    results = {"schedule": bench_schedule.main(full)}
+    results = {
+        "schedule": bench_schedule.main(full),
+        "dataset": bench_dataset.bench_make_dataset(1_000_000 if full else 100_000),
+    }
     print(json.dumps(results, indent=2))
     build = results["schedule"]["build"]
     print(
         f"\nbuild_schedule {build['rows']:,} lengths W={build['world_size']}: {build['build_schedule_s']}s; "
         f"np.sort {build['np_sort_s']}s ({build['lengths_dtype']}) -> {build['ratio_vs_np_sort']}x "
         f"({build['ratio_vs_np_sort_int64']}x vs int64 sort); peak RSS {build['peak_rss_mib']} MiB",
+        file=sys.stderr,
+    )
+    ds = results["dataset"]
+    print(
+        f"make_dataset {ds['rows']:,} rows ({ds['gb_on_disk']} GB): {ds['make_dataset_s']}s; "
+        f"raw write of the same bytes {ds['raw_write_same_bytes_s']}s -> {ds['ratio_vs_raw_write']}x; "
+        f"open_dataset {ds['open_dataset_s']}s",
         file=sys.stderr,
     )
     for case in results["schedule"]["quality"]["cases"]:
