@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -203,6 +204,116 @@ def test_make_dataset_accepts_empty_folder_and_leaves_no_temp(tmp_path: Path) ->
     out.mkdir()
     make_dataset(out, 10, scale=TINY)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ds"]
+
+
+def expected_rows(
+    rows: int, seed: int, scale: float, vocab_size: int = 32000
+) -> list[tuple[list[int], list[int]]]:
+    """``(tokens, loss_mask)`` of every row as ``make_dataset`` documents them, one row at a time."""
+    lengths = production_lengths(rows, seed, scale=scale)
+    row_rng = synth._rng(seed, synth._STREAM_ROWS)
+    starts = row_rng.integers(0, synth._POOL_TOKENS, size=rows, dtype=np.int64)
+    prompt = np.floor(row_rng.random(rows) * synth._PROMPT_MAX_FRACTION * lengths).astype(np.int64)
+    pool_size = synth._POOL_TOKENS + int(lengths.max())
+    pool = synth._rng(seed, synth._STREAM_TOKENS).integers(1, vocab_size, size=pool_size, dtype=np.int32)
+    return [
+        (pool[start : start + length].tolist(), [0] * p + [1] * (length - p))
+        for start, length, p in zip(starts.tolist(), lengths.tolist(), prompt.tolist(), strict=True)
+    ]
+
+
+def read_json(path: Path) -> Any:
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+def read_shard(path: Path) -> pa.Table:
+    with pa.OSFile(str(path), "rb") as source:
+        return pa.ipc.open_stream(source).read_all()
+
+
+@pytest.mark.parametrize(("with_seq_len", "large"), [(True, False), (False, False), (True, True)])
+def test_make_dataset_matches_save_to_disk(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, with_seq_len: bool, large: bool
+) -> None:
+    """The folder written shard by shard is the one ``Dataset.save_to_disk`` writes for the same rows."""
+    monkeypatch.setattr(synth, "_MAX_SHARD_SIZE", 30_000)
+    if large:
+        monkeypatch.setattr(synth, "_LARGE_LIST_TOKENS", 0)
+    rows, seed = 500, 6
+    ours = tmp_path / "ours"
+    make_dataset(ours, rows, seed, scale=TINY, with_seq_len=with_seq_len)
+    expected = expected_rows(rows, seed, TINY)
+    table = token_table(
+        [tokens for tokens, _ in expected],
+        [mask for _, mask in expected],
+        seq_len=[len(tokens) for tokens, _ in expected] if with_seq_len else None,
+        list_type=pa.large_list if large else pa.list_,
+    )
+    reference = save_table(tmp_path / "reference", table, max_shard_size=synth._MAX_SHARD_SIZE)
+
+    files = sorted(p.name for p in ours.iterdir())
+    assert files == sorted(p.name for p in reference.iterdir())
+    shards = [name for name in files if name.startswith("data-")]
+    assert len(shards) > 1
+    assert shards[-1] == f"data-{len(shards) - 1:05d}-of-{len(shards):05d}.arrow"
+    state, reference_state = read_json(ours / "state.json"), read_json(reference / "state.json")
+    assert state.keys() == reference_state.keys()
+    assert state["_data_files"] == [{"filename": name} for name in shards]
+    assert {k: v for k, v in state.items() if k != "_fingerprint"} == {
+        k: v for k, v in reference_state.items() if k != "_fingerprint"
+    }
+    info, reference_info = read_json(ours / "dataset_info.json"), read_json(reference / "dataset_info.json")
+    assert info["features"] == reference_info["features"]
+    assert info == reference_info
+    for name in shards:  # same rows per shard, same schema and huggingface metadata
+        ours_shard, reference_shard = read_shard(ours / name), read_shard(reference / name)
+        assert ours_shard.schema.equals(reference_shard.schema, check_metadata=True)
+        assert ours_shard.equals(reference_shard)
+
+    loaded, reference_loaded = datasets.load_from_disk(str(ours)), datasets.load_from_disk(str(reference))
+    assert loaded.features == reference_loaded.features
+    assert loaded.num_rows == rows
+    assert loaded.data.table.equals(reference_loaded.data.table)
+    assert loaded[:3] == reference_loaded[:3]
+    assert loaded[rows - 1]["input_ids"] == expected[-1][0]
+
+
+def test_make_dataset_state_is_deterministic(tmp_path: Path) -> None:
+    make_dataset(tmp_path / "a", 200, seed=7, scale=TINY)
+    make_dataset(tmp_path / "b", 200, seed=7, scale=TINY)
+    make_dataset(tmp_path / "c", 200, seed=8, scale=TINY)
+    state = read_json(tmp_path / "a" / "state.json")
+    assert state == read_json(tmp_path / "b" / "state.json")
+    assert state["_fingerprint"] != read_json(tmp_path / "c" / "state.json")["_fingerprint"]
+    assert datasets.load_from_disk(str(tmp_path / "a"))._fingerprint == (
+        datasets.load_from_disk(str(tmp_path / "b"))._fingerprint
+    )
+
+
+@pytest.mark.parametrize("where", ["generating", "writing"])
+def test_make_dataset_leaves_nothing_when_it_fails(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, where: str
+) -> None:
+    """A failure while generating rows, or in the writer thread, leaves neither ``out`` nor a temp folder."""
+    made = 0
+    block = synth._block
+
+    def failing_block(*args: Any) -> pa.RecordBatch:
+        nonlocal made
+        made += 1
+        batch = block(*args)
+        if made <= 5:
+            return batch
+        if where == "generating":
+            raise OSError("disk full")
+        return pa.RecordBatch.from_arrays(batch.columns[:1], names=batch.schema.names[:1])
+
+    monkeypatch.setattr(synth, "_block", failing_block)
+    monkeypatch.setattr(synth, "_MAX_SHARD_SIZE", 20_000)
+    with pytest.raises((OSError, ValueError), match="disk full" if where == "generating" else "schema"):
+        make_dataset(tmp_path / "ds", 500, seed=0, scale=TINY)
+    assert made > 5
+    assert list(tmp_path.iterdir()) == []
 
 
 # --- the production length mix ---------------------------------------------
