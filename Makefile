@@ -18,11 +18,13 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP)
 
-# Make a production-like sample dataset once, then plan it for 8 ranks beside
-# a naive random shuffle, with the simulated loss ladder.
+# The whole system on this machine: a production-like sample dataset (made
+# once), the plan beside a random shuffle, then a server and 4 trainer
+# processes reading one epoch through BatchClient, with the exact-once check.
 demo: setup
 	test -d $(SAMPLE) || $(BIN)/ladle make-dataset $(SAMPLE) --rows $(DEMO_ROWS) --seed 0
-	$(BIN)/ladle plan $(SAMPLE) --world-size 8 --compare random --simulate-loss
+	$(BIN)/ladle plan $(SAMPLE) --world-size 4 --compare random --simulate-loss
+	$(BIN)/ladle demo --dataset $(SAMPLE) --world-size 4
 
 lint: setup
 	$(BIN)/ruff check .

@@ -1,5 +1,19 @@
-"""The trainer side of ladle.
+"""The trainer side of ladle: ``BatchClient(rank)`` and iterate.
 
-``BatchClient`` arrives with the serving issue; this package imports only the
-generated protocol (``ladle.proto``), grpcio and numpy, never ``ladle.service``.
+Imports only grpcio, numpy and the generated protocol (``ladle.proto``); torch
+only when asked for tensors. Never imports ``ladle.service``.
 """
+
+from .batch import Batch
+from .client import STATE_VERSION, BatchClient
+from .errors import BatchClientError, FencedError, ServerUnavailableError, StateDictError
+
+__all__ = [
+    "STATE_VERSION",
+    "Batch",
+    "BatchClient",
+    "BatchClientError",
+    "FencedError",
+    "ServerUnavailableError",
+    "StateDictError",
+]

@@ -61,6 +61,23 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--simulate-loss", action="store_true", help="simulate the logged loss (the ladder)")
     _add_config_options(plan)
 
+    serve = sub.add_parser("serve", help="serve a dataset's batches over gRPC to BatchClient trainers")
+    serve.add_argument("dataset", help="a dataset folder written by save_to_disk")
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    serve.add_argument("--grpc-port", type=int, default=50051, help="0 picks a free port")
+    serve.add_argument("--state", default=".ladle/state.db", help="the embedded cursor store file")
+    serve.add_argument("--max-streams", type=int, default=64, help="open trainer streams at most")
+    serve.add_argument("--grace", type=float, default=5.0, help="seconds open streams get at shutdown")
+    serve.add_argument("--ready-file", help="write host:port here once serving (for scripts and tests)")
+    serve.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    _add_config_options(serve)
+
+    demo = sub.add_parser("demo", help="run the whole system on this machine: server, trainers, checks")
+    from .demo import add_arguments as _demo_arguments
+
+    _demo_arguments(demo)
+    _add_config_options(demo)
+
     make = sub.add_parser("make-dataset", help="write a synthetic tokenized dataset (production length mix)")
     make.add_argument("out", help="folder to create")
     make.add_argument("--rows", type=int, required=True)
@@ -77,10 +94,34 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _plan(args)
         if args.command == "make-dataset":
             return _make_dataset(args)
+        if args.command == "serve":
+            return _serve(args)
+        if args.command == "demo":
+            from .demo import run_demo
+
+            return run_demo(args.dataset, args.world_size, config_from_args(args), args.rows, args.keep)
     except LadleError as exc:
         print(f"ladle: error: {exc}", file=sys.stderr)
         return 2
     raise AssertionError(f"unhandled command {args.command}")
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import logging
+
+    from .server import BatchServer, serve_forever
+
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    server = BatchServer(
+        args.dataset,
+        config_from_args(args),
+        host=args.host,
+        grpc_port=args.grpc_port,
+        state=args.state,
+        max_streams=args.max_streams,
+        grace=args.grace,
+    )
+    return serve_forever(server, ready_file=args.ready_file)
 
 
 def _make_dataset(args: argparse.Namespace) -> int:

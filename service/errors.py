@@ -11,14 +11,21 @@ from typing import ClassVar
 
 __all__ = [
     "ConfigError",
+    "CursorRegressionError",
     "DatasetError",
     "DatasetNotFoundError",
     "EmptyDatasetError",
+    "FencedError",
+    "JobMismatchError",
+    "JobNotFoundError",
     "LadleError",
     "LengthMismatchError",
     "MissingColumnsError",
     "OverlongSampleError",
     "ScheduleError",
+    "StoreError",
+    "StoreUnavailableError",
+    "WorldSizeMismatchError",
     "ZeroLengthRowsError",
 ]
 
@@ -102,3 +109,129 @@ class ZeroLengthRowsError(DatasetError):
             f"dataset {path}: {count} row(s) have no tokens (first rows: {first_rows}); "
             "remove them before serving (a zero-length row cannot be trained on)"
         )
+
+
+# --- the cursor store -------------------------------------------------------
+# Each store error keeps its facts as attributes (the network faces and the
+# jobs layer read them) and pickles with them, so it crosses process
+# boundaries (multiprocessing, spawn) intact.
+
+
+class StoreError(LadleError):
+    """The cursor store refused an operation, or cannot serve it as it is."""
+
+    kind = "failed_precondition"
+
+
+class StoreUnavailableError(StoreError):
+    """The backing store cannot be reached or used now (locked too long, I/O error, closed)."""
+
+    kind = "unavailable"
+
+
+class JobNotFoundError(StoreError):
+    """No job of this name is in the store (it was never opened, or was deleted)."""
+
+    kind = "not_found"
+
+    def __init__(self, job: str) -> None:
+        self.job = job
+        super().__init__(f"job {job!r} not found in the cursor store; open it first")
+
+    def __reduce__(self) -> tuple[type[JobNotFoundError], tuple[str]]:
+        return (type(self), (self.job,))
+
+
+class JobMismatchError(StoreError):
+    """A stored job's identity differs from the one asked for; ``differences`` names each field.
+
+    ``differences`` holds ``(field, stored, given)`` triples, in the order
+    ``dataset_fingerprint``, ``config_fingerprint``.
+    """
+
+    def __init__(self, job: str, differences: tuple[tuple[str, str, str], ...]) -> None:
+        self.job = job
+        self.differences = differences
+        detail = "; ".join(f"{f} differs: stored {old!r}, given {new!r}" for f, old, new in differences)
+        super().__init__(
+            f"job {job!r} exists with another identity ({detail}); refusing to resume it on other "
+            "data or another schedule config. Use a new job name, or open it with reset=True to "
+            "start it over from the beginning"
+        )
+
+    @property
+    def fields(self) -> tuple[str, ...]:
+        """The names of the fields that differ."""
+        return tuple(f for f, _, _ in self.differences)
+
+    def __reduce__(self) -> tuple[type[JobMismatchError], tuple[str, tuple[tuple[str, str, str], ...]]]:
+        return (type(self), (self.job, self.differences))
+
+
+class WorldSizeMismatchError(StoreError):
+    """A job's stored world size differs from the one a server or trainer gave."""
+
+    def __init__(self, job: str, stored: int, given: int) -> None:
+        self.job = job
+        self.stored = stored
+        self.given = given
+        super().__init__(
+            f"job {job!r} runs with world_size={stored}, but world_size={given} was given; "
+            "changing a job's world size is not supported yet: start every trainer with "
+            f"world_size={stored}, or use a new job name"
+        )
+
+    def __reduce__(self) -> tuple[type[WorldSizeMismatchError], tuple[str, int, int]]:
+        return (type(self), (self.job, self.stored, self.given))
+
+
+class FencedError(StoreError):
+    """A trainer process presented a generation that is not its rank's current one.
+
+    ``generation < current``: a newer process joined for the same rank and job
+    and this one was fenced off. ``generation > current``: the store has lost
+    writes it once acknowledged (its state is older than the trainer's).
+    """
+
+    def __init__(self, job: str, rank: int, generation: int, current: int) -> None:
+        self.job = job
+        self.rank = rank
+        self.generation = generation
+        self.current = current
+        if generation < current:
+            why = (
+                f"this trainer process was replaced by a newer one for rank {rank} of job {job!r} "
+                f"(generation {generation}, current {current}); its cursor updates are refused, "
+                "stop this process"
+            )
+        else:
+            why = (
+                f"generation {generation} for rank {rank} of job {job!r} is newer than the store's "
+                f"{current}: the store has lost writes it acknowledged; join again to resynchronise"
+            )
+        super().__init__(why)
+
+    def __reduce__(self) -> tuple[type[FencedError], tuple[str, int, int, int]]:
+        return (type(self), (self.job, self.rank, self.generation, self.current))
+
+
+class CursorRegressionError(StoreError):
+    """``advance`` was asked to move a rank's cursor backwards; the stored position is kept.
+
+    ``stored`` and ``given`` are ``(epoch, step)`` pairs.
+    """
+
+    def __init__(self, job: str, rank: int, stored: tuple[int, int], given: tuple[int, int]) -> None:
+        self.job = job
+        self.rank = rank
+        self.stored = stored
+        self.given = given
+        super().__init__(
+            f"rank {rank} of job {job!r} is at epoch {stored[0]} step {stored[1]}; advance cannot move "
+            f"it back to epoch {given[0]} step {given[1]} (use rewind to load a checkpoint)"
+        )
+
+    def __reduce__(
+        self,
+    ) -> tuple[type[CursorRegressionError], tuple[str, int, tuple[int, int], tuple[int, int]]]:
+        return (type(self), (self.job, self.rank, self.stored, self.given))

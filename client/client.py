@@ -1,0 +1,417 @@
+"""``BatchClient``: a trainer's view of ladle, one rank's batches, one epoch per iteration.
+
+The client opens one gRPC stream to the batch server, keeps ``prefetch``
+batches in flight (credits), and hands out batches whose arrays are read-only
+views of the received frames (no copy). A batch counts as consumed when the
+trainer asks for the next one, calls ``state_dict()`` or closes the client;
+the client then acknowledges it, and the server moves the rank's stored
+cursor. If the server goes away (UNAVAILABLE), the client reconnects with
+exponential backoff and continues at its next step: no gap, no duplicate.
+
+Imports only grpcio, numpy and ``ladle.proto`` (torch when ``device`` is given).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import socket
+import threading
+import time
+import warnings
+from collections.abc import Iterator, Mapping
+from types import TracebackType
+from typing import Any
+
+import grpc
+import numpy as np
+
+from ladle.proto import codec, rpc
+from ladle.proto import ladle_pb2 as pb
+
+from .batch import Batch
+from .errors import BatchClientError, FencedError, ServerUnavailableError, StateDictError
+
+__all__ = ["STATE_VERSION", "BatchClient"]
+
+log = logging.getLogger("ladle.client")
+
+STATE_VERSION = 1
+_STATE_KEYS = ("version", "job", "rank", "world_size", "epoch", "step", "schedule_fingerprint")
+_RECEIVE_LIMIT = 256 << 20  # far above any batch (a 49152-token batch frame is ~250 KiB)
+_BACKOFF_FIRST, _BACKOFF_MAX = 0.05, 2.0
+_END = object()
+
+
+def _from_env(value: Any, name: str, default: Any, kind: type) -> Any:
+    if value is not None:
+        return value
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return kind(raw)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={raw!r} is not a valid {kind.__name__}") from None
+
+
+class _Stream:
+    """One gRPC stream: a request queue the call reads, and a thread that reads frames into a queue."""
+
+    def __init__(self, stub: rpc.BatchServiceClient, open_request: pb.StreamRequest, depth: int) -> None:
+        self.requests: queue.SimpleQueue[pb.StreamRequest | None] = queue.SimpleQueue()
+        self.requests.put(open_request)
+        self.frames: queue.Queue[Any] = queue.Queue(maxsize=depth + 4)
+        self.call = stub.stream(self._request_iter())
+        self.thread = threading.Thread(target=self._read, name="ladle-client-reader", daemon=True)
+        self.thread.start()
+
+    def _request_iter(self) -> Iterator[pb.StreamRequest]:
+        while True:
+            item = self.requests.get()
+            if item is None:
+                return
+            yield item
+
+    def _read(self) -> None:
+        try:
+            for frame in self.call:
+                self.frames.put(frame)
+            self.frames.put(_END)
+        except grpc.RpcError as exc:
+            self.frames.put(exc)
+        except Exception as exc:  # pragma: no cover - defensive: surface anything to the trainer
+            self.frames.put(exc)
+
+    def send(self, request: pb.StreamRequest) -> None:
+        self.requests.put(request)
+
+    def close(self) -> None:
+        self.requests.put(None)
+        self.call.cancel()
+
+
+class BatchClient:
+    """Batches of one rank of one job, from a ladle batch server.
+
+    ``BatchClient(rank, world_size, server, job)`` takes its defaults from
+    ``RANK``, ``WORLD_SIZE``, ``LADLE_SERVER`` and ``LADLE_JOB`` (then 0, 1,
+    ``127.0.0.1:50051`` and ``"default"``). Iterating yields one epoch of
+    ``Batch`` objects; iterating again continues with the next epoch.
+    ``device=None`` gives numpy arrays (read-only, zero-copy); a torch device
+    gives tensors on it (through pinned memory with non-blocking copies for
+    CUDA). ``timeout`` bounds how long the client waits for a server (to
+    connect, or for the next batch) before it raises ``ServerUnavailableError``.
+    """
+
+    def __init__(
+        self,
+        rank: int | None = None,
+        world_size: int | None = None,
+        server: str | None = None,
+        job: str | None = None,
+        *,
+        prefetch: int = 4,
+        device: Any = None,
+        timeout: float = 60.0,
+        pin_memory: bool | None = None,
+        client_id: str | None = None,
+    ) -> None:
+        self.rank = int(_from_env(rank, "RANK", 0, int))
+        self.world_size = int(_from_env(world_size, "WORLD_SIZE", 1, int))
+        self.server = str(_from_env(server, "LADLE_SERVER", "127.0.0.1:50051", str))
+        self.job = str(_from_env(job, "LADLE_JOB", "default", str))
+        if self.world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {self.world_size}")
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(
+                f"rank {self.rank} is outside 0..{self.world_size - 1} (world_size={self.world_size})"
+            )
+        if prefetch < 1:
+            raise ValueError(f"prefetch must be >= 1, got {prefetch}")
+        if timeout <= 0:
+            raise ValueError(f"timeout must be > 0, got {timeout}")
+        self.prefetch = int(prefetch)
+        self.timeout = float(timeout)
+        self.client_id = client_id or f"{socket.gethostname()}:{os.getpid()}"
+        self._device = device
+        self._pin = pin_memory
+        self._channel: Any = None
+        self._stub: rpc.BatchServiceClient | None = None
+        self._stream: _Stream | None = None
+        # The next batch to receive (None: the server's stored cursor), the
+        # batch handed out but not yet consumed, and what was last acknowledged.
+        self._next: tuple[int, int] | None = None
+        self._held: tuple[int, int] | None = None
+        self._acked: tuple[int, int] | None = None
+        self._fingerprint: str | None = None
+        self._closed = False
+        self.reconnects = 0
+
+    # --- state ---
+
+    def state_dict(self) -> dict[str, Any]:
+        """The rank's position (a few integers) and the schedule fingerprint; consumes the held batch."""
+        self._consume_held()
+        epoch, step = self._next if self._next is not None else (0, 0)
+        return {
+            "version": STATE_VERSION,
+            "job": self.job,
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "epoch": int(epoch),
+            "step": int(step),
+            "schedule_fingerprint": self._fingerprint,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Resume exactly where ``state`` (from ``state_dict()``) left off; the dict is not changed."""
+        if not isinstance(state, Mapping):
+            raise StateDictError(f"state must be a mapping, got {type(state).__name__}")
+        missing = [k for k in _STATE_KEYS if k not in state]
+        if missing:
+            raise StateDictError(f"state lacks {missing}; it was not made by BatchClient.state_dict()")
+        if state["version"] != STATE_VERSION:
+            raise StateDictError(f"state version {state['version']!r}; this client reads {STATE_VERSION}")
+        for key in ("rank", "world_size", "epoch", "step"):
+            value = state[key]
+            if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 0:
+                raise StateDictError(f"state[{key!r}] must be a non-negative integer, got {value!r}")
+        for key, mine in (("job", self.job), ("rank", self.rank), ("world_size", self.world_size)):
+            if state[key] != mine:
+                raise StateDictError(f"state is for {key}={state[key]!r}, this client has {key}={mine!r}")
+        fingerprint = state["schedule_fingerprint"]
+        if fingerprint is not None and not isinstance(fingerprint, str):
+            raise StateDictError(f"state['schedule_fingerprint'] must be a string, got {fingerprint!r}")
+        self._drop_stream()
+        self._next = (int(state["epoch"]), int(state["step"]))
+        self._held = None
+        self._acked = None
+        self._fingerprint = fingerprint
+
+    @property
+    def position(self) -> tuple[int, int] | None:
+        """(epoch, step) of the next batch this client will receive (None before the first)."""
+        return self._next
+
+    # --- iteration ---
+
+    def __iter__(self) -> Iterator[Batch]:
+        return self._epoch()
+
+    def _epoch(self) -> Iterator[Batch]:
+        if self._closed:
+            raise BatchClientError("the client is closed")
+        while True:
+            self._consume_held()
+            item = self._receive()
+            if isinstance(item, codec.DecodedEpochEnd):
+                self._next = (int(item.epoch) + 1, 0)
+                return
+            batch = self._to_batch(item)
+            self._held = (batch.epoch, batch.step)
+            self._next = (batch.epoch, batch.step + 1)
+            yield batch
+
+    def _receive(self) -> codec.DecodedBatch | codec.DecodedEpochEnd:
+        deadline = time.monotonic() + self.timeout
+        backoff = _BACKOFF_FIRST
+        while True:
+            stream = self._ensure_stream(deadline)
+            try:
+                item = stream.frames.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                self._drop_stream()
+                raise ServerUnavailableError(
+                    f"no batch from {self.server} within {self.timeout:.0f}s "
+                    f"(job {self.job!r}, rank {self.rank})"
+                ) from None
+            if isinstance(item, bytes):
+                decoded = codec.decode_frame(item)
+                if isinstance(decoded, codec.DecodedBatch):
+                    self._check_batch(decoded)
+                return decoded
+            self._drop_stream()
+            if item is _END:
+                error: BaseException = ServerUnavailableError(
+                    f"{self.server} ended the stream", "UNAVAILABLE"
+                )
+            elif isinstance(item, grpc.RpcError):
+                error = self._map_error(item)
+            else:
+                raise item
+            if not isinstance(error, ServerUnavailableError) or time.monotonic() + backoff > deadline:
+                raise error
+            log.warning("rank %d: %s; reconnecting in %.2fs", self.rank, error, backoff)
+            time.sleep(backoff)
+            backoff = min(backoff * 2, _BACKOFF_MAX)
+            self.reconnects += 1
+
+    def _check_batch(self, batch: codec.DecodedBatch) -> None:
+        if batch.rank != self.rank:
+            raise BatchClientError(f"server sent a batch for rank {batch.rank} to rank {self.rank}")
+        # (the server normalises a step past an epoch's end to the next epoch's step 0)
+        expected = self._next
+        if (
+            expected is not None
+            and (batch.epoch, batch.step) != expected
+            and not (batch.step == 0 and batch.epoch == expected[0] + 1)
+        ):
+            raise BatchClientError(f"server sent epoch {batch.epoch} step {batch.step}, expected {expected}")
+        if self._fingerprint is None:
+            self._fingerprint = batch.schedule_fingerprint
+        elif batch.schedule_fingerprint != self._fingerprint:
+            raise StateDictError(
+                f"server follows schedule {batch.schedule_fingerprint}, this client {self._fingerprint}"
+            )
+
+    def _map_error(self, exc: Any) -> BaseException:
+        code = exc.code()
+        details = rpc.error_details(exc.trailing_metadata()) if hasattr(exc, "trailing_metadata") else None
+        message = exc.details() or str(code)
+        name = code.name if code is not None else "UNKNOWN"
+        if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED) and not self._closed:
+            return ServerUnavailableError(f"{self.server}: {message}", name)
+        if details is not None and details.reason == "fenced":
+            return FencedError(message, name)
+        return BatchClientError(f"{self.server}: {message}", name)
+
+    # --- connection ---
+
+    def _connect(self, deadline: float) -> rpc.BatchServiceClient:
+        if self._stub is not None:
+            return self._stub
+        options = [
+            ("grpc.max_receive_message_length", _RECEIVE_LIMIT),
+            ("grpc.max_send_message_length", 4 << 20),
+            ("grpc.keepalive_time_ms", 20_000),
+            ("grpc.keepalive_timeout_ms", 10_000),
+        ]
+        self._channel = grpc.insecure_channel(self.server, options=options)
+        try:
+            grpc.channel_ready_future(self._channel).result(timeout=max(0.01, deadline - time.monotonic()))
+        except grpc.FutureTimeoutError:
+            self._channel.close()
+            self._channel = None
+            raise ServerUnavailableError(
+                f"no batch server answered at {self.server} within {self.timeout:.0f}s", "UNAVAILABLE"
+            ) from None
+        self._stub = rpc.BatchServiceClient(self._channel)
+        return self._stub
+
+    def _ensure_stream(self, deadline: float) -> _Stream:
+        if self._stream is not None:
+            return self._stream
+        stub = self._connect(deadline)
+        request = pb.Open(
+            job=self.job,
+            rank=self.rank,
+            world_size=self.world_size,
+            prefetch=self.prefetch,
+            client_id=self.client_id,
+        )
+        if self._next is not None:
+            request.start.CopyFrom(pb.Position(epoch=self._next[0], step=self._next[1]))
+        if self._fingerprint is not None:
+            request.schedule_fingerprint = self._fingerprint
+        self._stream = _Stream(stub, pb.StreamRequest(open=request), self.prefetch)
+        return self._stream
+
+    def _drop_stream(self) -> None:
+        if self._stream is not None:
+            self._stream.close()
+            self._stream = None
+        if self._channel is not None:
+            self._channel.close()
+            self._channel = None
+            self._stub = None
+
+    def _consume_held(self) -> None:
+        """The held batch is consumed: acknowledge it and give its credit back."""
+        if self._held is None:
+            return
+        held, self._held = self._held, None
+        if self._stream is not None:
+            through = pb.Position(epoch=held[0], step=held[1] + 1)
+            self._stream.send(pb.StreamRequest(ack=pb.Ack(through=through)))
+            self._stream.send(pb.StreamRequest(credit=pb.Credit(n=1)))
+            self._acked = (held[0], held[1] + 1)
+
+    # --- arrays ---
+
+    def _to_batch(self, d: codec.DecodedBatch) -> Batch:
+        mask = d.attention_mask(np.int8)
+        arrays: dict[str, Any] = {
+            "input_ids": d.input_ids,
+            "loss_mask": d.loss_mask,
+            "attention_mask": mask,
+            "lengths": d.lengths,
+            "sample_ids": d.sample_ids,
+        }
+        if self._device is not None:
+            arrays = _to_torch(arrays, self._device, self._pin)
+        return Batch(
+            epoch=d.epoch,
+            step=d.step,
+            rank=d.rank,
+            bucket=d.bucket,
+            real_tokens=d.real_tokens,
+            padded_tokens=d.padded_tokens,
+            **arrays,
+        )
+
+    # --- lifetime ---
+
+    def close(self) -> None:
+        """Acknowledge the held batch and close the stream; idempotent."""
+        if self._closed:
+            return
+        self._consume_held()
+        if self._stream is not None:
+            self._stream.send(pb.StreamRequest(credit=pb.Credit(n=0)))
+            time.sleep(0)  # let the request thread hand the last ack to gRPC
+        self._closed = True
+        stream, self._stream = self._stream, None
+        if stream is not None:
+            stream.requests.put(None)
+            stream.thread.join(timeout=1.0)
+            stream.call.cancel()
+        if self._channel is not None:
+            self._channel.close()
+            self._channel = None
+
+    def __enter__(self) -> BatchClient:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    def __del__(self) -> None:  # pragma: no cover - best effort
+        try:
+            if not self._closed and self._stream is not None:
+                self._stream.close()
+        except Exception:
+            pass
+
+
+def _to_torch(arrays: dict[str, Any], device: Any, pin: bool | None) -> dict[str, Any]:
+    import torch
+
+    target = torch.device(device)
+    use_pin = (target.type == "cuda") if pin is None else pin
+    out: dict[str, Any] = {}
+    with warnings.catch_warnings():
+        # the views are read-only (they share the received message); tensors made from
+        # them must not be written to, which torch cannot express
+        warnings.simplefilter("ignore", UserWarning)
+        for name, array in arrays.items():
+            tensor = torch.from_numpy(array)
+            if use_pin:
+                tensor = tensor.pin_memory()
+            if target.type != "cpu":
+                tensor = tensor.to(target, non_blocking=use_pin)
+            out[name] = tensor
+    return out

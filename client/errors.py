@@ -1,0 +1,30 @@
+"""Errors a trainer can see from ``BatchClient``, each with the gRPC status it came from."""
+
+from __future__ import annotations
+
+__all__ = [
+    "BatchClientError",
+    "FencedError",
+    "ServerUnavailableError",
+    "StateDictError",
+]
+
+
+class BatchClientError(Exception):
+    """Base of the client's errors; ``code`` is the gRPC status name when the server said it."""
+
+    def __init__(self, message: str, code: str | None = None) -> None:
+        self.code = code
+        super().__init__(message)
+
+
+class StateDictError(BatchClientError, ValueError):
+    """A ``state_dict`` that does not belong to this client's job, rank or schedule."""
+
+
+class FencedError(BatchClientError):
+    """A newer process took over this rank of this job; this one must stop."""
+
+
+class ServerUnavailableError(BatchClientError, ConnectionError):
+    """No server answered within the client's timeout (after retries with backoff)."""

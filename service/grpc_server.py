@@ -1,0 +1,364 @@
+"""The gRPC face: ``ladle.v1.BatchService`` (Stream and Describe).
+
+One ``Stream`` call serves one rank of one job: it validates the first
+request (``Open``), joins the job in the cursor store (a new fencing
+generation), positions the rank (the trainer's checkpoint, or the stored
+cursor), and then sends that rank's batches in schedule order as raw frames,
+at most ``prefetch`` ahead of the trainer's credits. Acknowledgements move the
+stored cursor, written behind in small groups (one store write per
+``ACK_FLUSH_SECONDS`` at most, and always at the end of the stream), because
+one round trip per batch halves throughput (MEASURED.md).
+
+Errors map once, from ``LadleError.kind`` to a gRPC status, with a
+``ladle.v1.Error`` in the trailing metadata.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import grpc
+
+from ladle.proto import codec, rpc
+from ladle.proto import ladle_pb2 as pb
+
+from .assemble import Assembler, Prefetcher
+from .errors import ConfigError, FencedError, JobNotFoundError, LadleError
+from .jobs import Job, JobRegistry
+from .store.base import Position
+
+__all__ = ["ACK_FLUSH_SECONDS", "BatchServicer", "StreamAbortedError", "status_of"]
+
+log = logging.getLogger("ladle.server")
+
+ACK_FLUSH_SECONDS = 0.05
+_WAIT_SLICE = 0.25  # how often a waiting stream re-checks that it is still wanted
+
+_STATUS = {
+    "invalid_argument": grpc.StatusCode.INVALID_ARGUMENT,
+    "failed_precondition": grpc.StatusCode.FAILED_PRECONDITION,
+    "not_found": grpc.StatusCode.NOT_FOUND,
+    "unavailable": grpc.StatusCode.UNAVAILABLE,
+    "resource_exhausted": grpc.StatusCode.RESOURCE_EXHAUSTED,
+    "internal": grpc.StatusCode.INTERNAL,
+}
+
+
+def status_of(exc: BaseException) -> Any:
+    """The gRPC status code for an exception (INTERNAL for anything that is not a LadleError)."""
+    if isinstance(exc, LadleError):
+        return _STATUS.get(exc.kind, grpc.StatusCode.INTERNAL)
+    return grpc.StatusCode.INTERNAL
+
+
+class StreamAbortedError(LadleError):
+    """A stream ends on purpose with a status (bad request, replaced, out of credit misuse)."""
+
+    def __init__(self, kind: str, reason: str, message: str, field: str = "") -> None:
+        self.kind = kind  # type: ignore[misc]
+        self.reason = reason
+        self.field = field
+        super().__init__(message)
+
+
+def _abort(context: Any, exc: BaseException) -> None:
+    """End the call with the status of ``exc`` and a ``ladle.v1.Error`` trailer (never returns)."""
+    code = status_of(exc)
+    reason = getattr(exc, "reason", type(exc).__name__)
+    field = getattr(exc, "field", "") or ""
+    message = str(exc) if isinstance(exc, LadleError) else f"internal error: {type(exc).__name__}"
+    error = pb.Error(code=code.name, reason=str(reason), message=message, field=str(field))
+    context.set_trailing_metadata(rpc.error_trailer(error))
+    context.abort(code, message)
+
+
+class _Session:
+    """The state one Stream shares between its sender and its request reader."""
+
+    def __init__(self, job: Job, rank: int, generation: int, start: Position, credits: int) -> None:
+        self.job = job
+        self.rank = rank
+        self.generation = generation
+        self.cond = threading.Condition()
+        self.credits = credits
+        self.sent = start  # the position after the last batch sent
+        self.acked = start
+        self.stored = start
+        self.last_flush = 0.0
+        self.failure: BaseException | None = None
+        self.requests_done = False
+        self.replaced = False
+
+    def fail(self, exc: BaseException) -> None:
+        with self.cond:
+            if self.failure is None:
+                self.failure = exc
+            self.cond.notify_all()
+
+    def flush(self, *, force: bool = False) -> None:
+        """Write the acknowledged position to the store if it moved (at most every ACK_FLUSH_SECONDS)."""
+        with self.cond:
+            target = self.acked
+            if target <= self.stored or self.replaced:
+                return
+            now = time.monotonic()
+            if not force and now - self.last_flush < ACK_FLUSH_SECONDS:
+                return
+            self.last_flush = now
+        try:
+            self.job.store.advance(self.job.name, self.rank, self.generation, target)
+        except FencedError as exc:
+            self.fail(StreamAbortedError("failed_precondition", "fenced", str(exc)))
+            return
+        with self.cond:
+            if self.stored < target:
+                self.stored = target
+
+
+class BatchServicer:
+    """Serves every job of one dataset and config; register with ``handler()``."""
+
+    def __init__(
+        self, registry: JobRegistry, assembler: Assembler, *, max_prefetch: int = 64, workers: int = 2
+    ) -> None:
+        self.registry = registry
+        self.assembler = assembler
+        self.max_prefetch = max_prefetch
+        self.workers = workers
+        self.max_frame_bytes = codec.max_frame_bytes(
+            registry.config.token_budget, registry.config.max_batch_size
+        )
+        self._active: dict[tuple[str, int], _Session] = {}
+        self._active_lock = threading.Lock()
+        self._stopping = threading.Event()
+
+    def handler(self) -> Any:
+        return rpc.batch_service_handler(self.stream, self.describe)
+
+    def stop_streams(self) -> None:
+        """Ask every open stream to end with UNAVAILABLE (the server is going away)."""
+        self._stopping.set()
+        with self._active_lock:
+            sessions = list(self._active.values())
+        for session in sessions:
+            session.fail(
+                StreamAbortedError("unavailable", "shutting_down", "the batch server is shutting down")
+            )
+
+    # --- Describe ---
+
+    def describe(self, request: pb.DescribeRequest, context: Any) -> pb.JobInfo:
+        try:
+            job = self.registry.get(request.job)
+            if job is None:
+                state = self.registry.store.get(request.job)  # JobNotFoundError if unknown
+                job = self.registry.open(request.job, state.spec.world_size)
+            state = job.state()
+            epoch = min(r.position.epoch for r in state.ranks) if state.ranks else 0
+            sched = job.schedule(epoch)
+            return pb.JobInfo(
+                job=job.name,
+                world_size=job.world_size,
+                epoch=epoch,
+                steps_per_epoch=sched.num_steps,
+                schedule_fingerprint=job.fingerprint,
+                config_fingerprint=job.spec.config_fingerprint,
+                dataset_fingerprint=job.spec.dataset_fingerprint,
+                bucket_bounds=list(sched.bounds),
+                token_budget=self.registry.config.token_budget,
+                max_batch_size=self.registry.config.max_batch_size,
+                max_frame_bytes=self.max_frame_bytes,
+            )
+        except JobNotFoundError as exc:
+            _abort(context, exc)
+        except LadleError as exc:
+            _abort(context, exc)
+        raise AssertionError("unreachable")
+
+    # --- Stream ---
+
+    def stream(self, requests: Iterator[pb.StreamRequest], context: Any) -> Iterator[bytes]:
+        try:
+            session = self._open(requests, context)
+        except LadleError as exc:
+            _abort(context, exc)
+            return
+        key = (session.job.name, session.rank)
+        with self._active_lock:
+            old = self._active.get(key)
+            self._active[key] = session
+        if old is not None:
+            old.replaced = True
+            old.fail(
+                StreamAbortedError(
+                    "failed_precondition",
+                    "fenced",
+                    f"this stream for rank {session.rank} of job {session.job.name!r} was replaced by a "
+                    "newer trainer process (a new Open for the same job and rank)",
+                )
+            )
+        reader = threading.Thread(
+            target=self._read, args=(requests, session), name=f"ladle-acks-{session.rank}", daemon=True
+        )
+        reader.start()
+        try:
+            yield from self._send(session, context)
+        except LadleError as exc:
+            session.fail(exc)
+        finally:
+            session.flush(force=True)
+            with self._active_lock:
+                if self._active.get(key) is session:
+                    del self._active[key]
+        if session.failure is not None:
+            _abort(context, session.failure)
+
+    def _open(self, requests: Iterator[pb.StreamRequest], context: Any) -> _Session:
+        try:
+            first = next(requests)
+        except StopIteration:
+            raise StreamAbortedError(
+                "invalid_argument", "no_open", "the stream closed before its Open"
+            ) from None
+        if first.WhichOneof("kind") != "open":
+            raise StreamAbortedError("invalid_argument", "no_open", "the first request must be Open", "open")
+        o = first.open
+        if not o.job:
+            raise StreamAbortedError("invalid_argument", "bad_job", "Open.job is empty", "open.job")
+        if o.world_size < 1:
+            raise StreamAbortedError(
+                "invalid_argument", "bad_world_size", "Open.world_size must be >= 1", "open.world_size"
+            )
+        if o.rank >= o.world_size:
+            raise ConfigError(
+                "rank", f"{o.rank} is outside 0..{o.world_size - 1} (world_size={o.world_size})"
+            )
+        if o.prefetch < 1:
+            raise StreamAbortedError(
+                "invalid_argument", "bad_prefetch", "Open.prefetch must be >= 1", "open.prefetch"
+            )
+        if o.prefetch > self.max_prefetch:
+            raise StreamAbortedError(
+                "resource_exhausted",
+                "prefetch_too_large",
+                f"Open.prefetch={o.prefetch} exceeds this server's limit of {self.max_prefetch}",
+                "open.prefetch",
+            )
+        if self._stopping.is_set():
+            raise StreamAbortedError("unavailable", "shutting_down", "the batch server is shutting down")
+        job = self.registry.open(o.job, o.world_size)
+        job.check_rank(o.rank, o.world_size)
+        if o.HasField("schedule_fingerprint") and o.schedule_fingerprint != job.fingerprint:
+            raise StreamAbortedError(
+                "failed_precondition",
+                "schedule_mismatch",
+                f"the client expects schedule {o.schedule_fingerprint} but job {job.name!r} follows "
+                f"{job.fingerprint} (another dataset, config, world size or ladle version)",
+                "open.schedule_fingerprint",
+            )
+        joined = job.join(o.rank)
+        if o.HasField("start"):
+            start = job.normalise(Position(o.start.epoch, o.start.step))
+            joined = job.store.rewind(job.name, o.rank, joined.generation, start)
+        else:
+            start = job.normalise(joined.position)
+        log.info(
+            "stream open: job=%s rank=%d/%d generation=%d start=%s client=%s",
+            job.name,
+            o.rank,
+            o.world_size,
+            joined.generation,
+            start,
+            o.client_id or "-",
+        )
+        session = _Session(job, o.rank, joined.generation, start, o.prefetch)
+        session.stored = joined.position
+        return session
+
+    def _read(self, requests: Iterator[pb.StreamRequest], session: _Session) -> None:
+        """Apply the client's Acks and Credits until its half of the stream ends."""
+        try:
+            for request in requests:
+                kind = request.WhichOneof("kind")
+                if kind == "credit":
+                    with session.cond:
+                        session.credits += request.credit.n
+                        session.cond.notify_all()
+                elif kind == "ack":
+                    through = session.job.normalise(
+                        Position(request.ack.through.epoch, request.ack.through.step)
+                    )
+                    with session.cond:
+                        if through > session.sent:
+                            raise StreamAbortedError(
+                                "invalid_argument",
+                                "bad_ack",
+                                f"Ack through {through} is beyond the last batch sent ({session.sent})",
+                                "ack",
+                            )
+                        if through > session.acked:
+                            session.acked = through
+                    session.flush()
+                else:
+                    raise StreamAbortedError(
+                        "invalid_argument", "bad_request", f"unexpected {kind} after Open", kind or ""
+                    )
+        except StreamAbortedError as exc:
+            session.fail(exc)
+        except Exception as exc:  # the call ended (cancelled, deadline) while reading
+            if not isinstance(exc, grpc.RpcError):
+                log.exception("request reader failed")
+        finally:
+            with session.cond:
+                session.requests_done = True
+                session.cond.notify_all()
+
+    def _positions(self, session: _Session) -> Iterator[tuple[Position, Any, int]]:
+        position = session.sent
+        while True:
+            ref = session.job.batch(position, session.rank)
+            yield position, ref.rows, ref.padded_len
+            position = session.job.next_position(position)
+
+    def _send(self, session: _Session, context: Any) -> Iterator[bytes]:
+        job = session.job
+        with Prefetcher(
+            self.assembler, self._positions(session), depth=min(4, session.credits + 1), workers=self.workers
+        ) as batches:
+            for position, buffers in batches:
+                with session.cond:
+                    while session.credits <= 0 and session.failure is None:
+                        if session.requests_done or not context.is_active():
+                            return
+                        session.cond.wait(_WAIT_SLICE)
+                    if session.failure is not None:
+                        buffers.release()
+                        return
+                    session.credits -= 1
+                sched = job.schedule(position.epoch)
+                try:
+                    frame = codec.encode_batch(
+                        epoch=position.epoch,
+                        step=position.step,
+                        rank=session.rank,
+                        bucket=sched.bucket(position.step, session.rank),
+                        schedule_fingerprint=job.fingerprint,
+                        input_ids=buffers.input_ids,
+                        loss_mask=buffers.loss_mask,
+                        lengths=buffers.lengths,
+                        sample_ids=buffers.sample_ids,
+                    )
+                finally:
+                    buffers.release()
+                nxt = job.next_position(position)
+                with session.cond:
+                    session.sent = nxt
+                yield frame
+                if nxt.epoch != position.epoch:
+                    yield codec.encode_epoch_end(position.epoch, sched.num_steps)
+                if not context.is_active():
+                    return

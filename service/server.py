@@ -1,0 +1,158 @@
+"""The batch server process: dataset, store, jobs, and the gRPC face, with a clean shutdown.
+
+``BatchServer`` is a context manager: entering opens the dataset and the
+store and starts serving; leaving stops accepting calls, asks open streams to
+end (UNAVAILABLE, so clients reconnect and resume), waits up to the grace
+period and closes the store. ``serve_forever`` adds SIGTERM/SIGINT handling
+for ``ladle serve``.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from types import FrameType, TracebackType
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from ladle.proto import rpc
+
+from .assemble import Assembler
+from .dataset import open_dataset
+from .errors import ConfigError
+from .grpc_server import BatchServicer
+from .jobs import JobRegistry
+from .schedule import ScheduleConfig
+from .store.embedded import EmbeddedStore
+
+__all__ = ["DEFAULT_STATE", "BatchServer", "serve_forever"]
+
+log = logging.getLogger("ladle.server")
+
+DEFAULT_STATE = ".ladle/state.db"
+
+# Keepalive: find dead peers within about a minute, let clients ping every 20 s.
+_KEEPALIVE = [
+    ("grpc.keepalive_time_ms", 30_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+    ("grpc.http2.max_pings_without_data", 0),
+]
+
+
+class BatchServer:
+    """One batch server: ``with BatchServer(...) as server: server.wait()``."""
+
+    def __init__(
+        self,
+        dataset: str | Path,
+        config: ScheduleConfig,
+        *,
+        host: str = "127.0.0.1",
+        grpc_port: int = 50051,
+        state: str | Path = DEFAULT_STATE,
+        max_streams: int = 64,
+        grace: float = 5.0,
+    ) -> None:
+        if not 0 <= grpc_port <= 65535:
+            raise ConfigError("grpc_port", f"must be in 0..65535, got {grpc_port}")
+        if max_streams < 1:
+            raise ConfigError("max_streams", f"must be >= 1, got {max_streams}")
+        self.dataset_path = str(dataset)
+        self.config = config
+        self.host = host
+        self.requested_port = grpc_port
+        self.state_path = Path(state)
+        self.max_streams = max_streams
+        self.grace = grace
+        self.port = 0
+        self._server: Any = None
+        self._store: EmbeddedStore | None = None
+        self._servicer: BatchServicer | None = None
+        self._health: Any = None
+        self._stopped = threading.Event()
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def start(self) -> BatchServer:
+        dataset = open_dataset(self.dataset_path)
+        self.state_path.parent.mkdir(parents=True, exist_ok=True)
+        self._store = EmbeddedStore(self.state_path)
+        registry = JobRegistry(dataset, self.config, self._store)
+        # Build epoch 0 now: a bad config fails at start-up, not on the first trainer.
+        from .schedule import build_schedule
+
+        build_schedule(dataset.lengths, self.config, epoch=0, world_size=1)
+        self._servicer = BatchServicer(registry, Assembler(dataset))
+        options = [*_KEEPALIVE, *rpc.message_options(self._servicer.max_frame_bytes)]
+        # Every stream holds a thread for its life; the pool bounds open streams.
+        self._server = grpc.server(
+            ThreadPoolExecutor(max_workers=self.max_streams + 4, thread_name_prefix="ladle-grpc"),
+            options=options,
+            maximum_concurrent_rpcs=self.max_streams,
+        )
+        self._server.add_generic_rpc_handlers((self._servicer.handler(),))
+        self._health = health.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
+        self.port = self._server.add_insecure_port(f"{self.host}:{self.requested_port}")
+        if self.port == 0:
+            raise ConfigError("grpc_port", f"cannot listen on {self.host}:{self.requested_port}")
+        self._server.start()
+        self._health.set("", health_pb2.HealthCheckResponse.SERVING)
+        self._health.set(rpc.SERVICE, health_pb2.HealthCheckResponse.SERVING)
+        log.info("serving %s on %s (state %s)", self.dataset_path, self.address, self.state_path)
+        return self
+
+    def stop(self, grace: float | None = None) -> None:
+        """Stop accepting calls, end open streams with UNAVAILABLE within ``grace`` seconds."""
+        if self._stopped.is_set():
+            return
+        self._stopped.set()
+        if self._health is not None:
+            self._health.enter_graceful_shutdown()
+        if self._servicer is not None:
+            self._servicer.stop_streams()
+        if self._server is not None:
+            self._server.stop(self.grace if grace is None else grace).wait()
+        if self._store is not None:
+            self._store.close()
+
+    def wait(self) -> None:
+        self._stopped.wait()
+
+    def __enter__(self) -> BatchServer:
+        return self.start()
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()
+
+
+def serve_forever(server: BatchServer, *, ready_file: str | None = None) -> int:
+    """Run until SIGTERM or SIGINT, then shut down gracefully; returns the exit code (0)."""
+    done = threading.Event()
+
+    def _on_signal(signum: int, frame: FrameType | None) -> None:
+        log.info("signal %d: shutting down (grace %.1fs)", signum, server.grace)
+        done.set()
+
+    previous = {s: signal.signal(s, _on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        with server:
+            print(f"ladle: serving on {server.address}", flush=True)
+            if ready_file:
+                Path(ready_file).write_text(server.address)
+            done.wait()
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    return 0

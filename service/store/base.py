@@ -1,0 +1,355 @@
+"""The cursor-store contract: where each job's per-rank cursors and fencing tokens live.
+
+A store keeps, per job, its identity (``JobSpec``) and, per rank, a position,
+a generation (the fencing token of the trainer process that holds the rank)
+and when it was last seen; every mutating operation is one atomic
+check-and-set, so any number of server threads, processes or replicas may
+share a store. The trade-off: the store knows nothing of the schedule, so it
+never checks a position against an epoch's length; the jobs layer does.
+"""
+
+from __future__ import annotations
+
+import abc
+import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Self
+
+from ..errors import (
+    ConfigError,
+    CursorRegressionError,
+    FencedError,
+    JobMismatchError,
+    WorldSizeMismatchError,
+)
+
+__all__ = [
+    "MAX_FINGERPRINT_LEN",
+    "MAX_INDEX",
+    "MAX_JOB_NAME_LEN",
+    "MAX_WORLD_SIZE",
+    "Clock",
+    "CursorStore",
+    "JobSpec",
+    "JobState",
+    "Position",
+    "RankState",
+    "check_forward",
+    "check_generation",
+    "check_identity",
+    "rank_outside",
+    "validate_job_name",
+]
+
+Clock = Callable[[], float]
+
+MAX_JOB_NAME_LEN = 200
+MAX_FINGERPRINT_LEN = 256
+# The Redis store keeps integers in Lua numbers (doubles), exact up to 2**53.
+MAX_INDEX = 2**53 - 1
+# Every rank is a row (a hash field in Redis), written when a job is created.
+MAX_WORLD_SIZE = 65536
+
+_JOB_NAME = re.compile(rf"[A-Za-z0-9._:-]{{1,{MAX_JOB_NAME_LEN}}}")
+
+
+def _check_int(field: str, value: object, lo: int, hi: int = MAX_INDEX) -> int:
+    # bool is an int subclass; True is never a meaningful rank or step.
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ConfigError(field, f"must be an integer, got {value!r}")
+    if not lo <= value <= hi:
+        raise ConfigError(field, f"must be in {lo}..{hi}, got {value}")
+    return value
+
+
+def validate_job_name(job: object) -> str:
+    """``job`` if it is 1..200 characters of ``[A-Za-z0-9._:-]``, else ``ConfigError("job")``."""
+    if not isinstance(job, str) or _JOB_NAME.fullmatch(job) is None:
+        raise ConfigError(
+            "job", f"must be 1..{MAX_JOB_NAME_LEN} characters of A-Z a-z 0-9 . _ : -, got {job!r}"
+        )
+    return job
+
+
+def _check_fingerprint(field: str, value: object) -> None:
+    if not isinstance(value, str) or not 1 <= len(value) <= MAX_FINGERPRINT_LEN:
+        raise ConfigError(field, f"must be a string of 1..{MAX_FINGERPRINT_LEN} characters, got {value!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class JobSpec:
+    """A job's identity: a stored job resumes only under the same fingerprints and world size.
+
+    Validated on construction (``ConfigError`` naming the field).
+    """
+
+    job: str
+    dataset_fingerprint: str
+    config_fingerprint: str
+    world_size: int
+
+    def __post_init__(self) -> None:
+        validate_job_name(self.job)
+        _check_fingerprint("dataset_fingerprint", self.dataset_fingerprint)
+        _check_fingerprint("config_fingerprint", self.config_fingerprint)
+        _check_int("world_size", self.world_size, 1, MAX_WORLD_SIZE)
+
+
+@dataclass(frozen=True, order=True, slots=True)
+class Position:
+    """A rank's cursor: it has consumed every batch before ``(epoch, step)``.
+
+    Ordered as the pair ``(epoch, step)``; both are in ``0..MAX_INDEX``
+    (``ConfigError`` otherwise). A step may lie past an epoch's last step: the
+    store does not know epoch lengths, the jobs layer normalises.
+    """
+
+    epoch: int
+    step: int
+
+    def __post_init__(self) -> None:
+        _check_int("epoch", self.epoch, 0)
+        _check_int("step", self.step, 0)
+
+
+@dataclass(frozen=True, slots=True)
+class RankState:
+    """One rank of a job: its cursor, its current generation and when it was last seen.
+
+    ``generation`` is 0 until a trainer process first joins the rank; each
+    join increments it. ``last_seen`` is the store clock's time of the rank's
+    last join, advance or rewind (the job's creation time if none yet).
+    """
+
+    rank: int
+    position: Position
+    generation: int
+    last_seen: float
+
+
+@dataclass(frozen=True, slots=True)
+class JobState:
+    """A job's identity and every rank's state (``ranks[r].rank == r``).
+
+    ``created`` is when the job was (re)created; ``updated`` is the time of its
+    last successful join, advance or rewind (``created`` if none).
+    """
+
+    spec: JobSpec
+    ranks: tuple[RankState, ...]
+    created: float
+    updated: float
+
+    @property
+    def job(self) -> str:
+        return self.spec.job
+
+
+# --- decisions every implementation makes the same way -----------------------
+# A store calls these inside its atomic operation with the values it read, so
+# every store refuses the same requests with the same typed errors. A store
+# whose check runs elsewhere (a Redis Lua script) returns what it read and
+# raises through these helpers.
+
+
+def check_identity(stored: JobSpec, given: JobSpec) -> None:
+    """Refuse to open ``stored`` as ``given`` unless fingerprints and world size agree.
+
+    Fingerprint differences are reported first (``JobMismatchError`` naming
+    each differing field, stored vs given value): a job on other data is the
+    more fundamental mismatch. Then ``WorldSizeMismatchError``.
+    """
+    differences = tuple(
+        (field, old, new)
+        for field, old, new in (
+            ("dataset_fingerprint", stored.dataset_fingerprint, given.dataset_fingerprint),
+            ("config_fingerprint", stored.config_fingerprint, given.config_fingerprint),
+        )
+        if old != new
+    )
+    if differences:
+        raise JobMismatchError(stored.job, differences)
+    if stored.world_size != given.world_size:
+        raise WorldSizeMismatchError(stored.job, stored.world_size, given.world_size)
+
+
+def rank_outside(rank: int, world_size: int) -> ConfigError:
+    """The error for a rank outside ``[0, world_size)``."""
+    return ConfigError("rank", f"{rank} is outside 0..{world_size - 1} (world_size={world_size})")
+
+
+def check_generation(job: str, rank: int, generation: int, current: int) -> None:
+    """``FencedError`` unless ``generation`` is the rank's ``current`` generation."""
+    if generation != current:
+        raise FencedError(job, rank, generation, current)
+
+
+def check_forward(job: str, rank: int, stored: Position, to: Position) -> None:
+    """``CursorRegressionError`` if ``to`` lies before ``stored`` (equal is allowed)."""
+    if to < stored:
+        raise CursorRegressionError(job, rank, (stored.epoch, stored.step), (to.epoch, to.step))
+
+
+class CursorStore(abc.ABC):
+    """Per-job, per-rank cursors with fencing; one contract for every backing store.
+
+    Guarantees to callers (``tests/contract/store_contract.py`` checks each
+    one against every implementation):
+
+    * Every public method validates its arguments first (``ConfigError``
+      naming the field), then runs as ONE atomic operation against the backing
+      store: concurrent calls from any number of threads, processes and hosts
+      behave as if run one at a time in some order, and a refused call changes
+      nothing.
+    * Unknown jobs raise ``JobNotFoundError`` (except ``delete_job``, which
+      returns ``False``); a store that cannot be reached raises
+      ``StoreUnavailableError``.
+    * A stale trainer process (its generation is not the rank's current one)
+      can neither advance nor rewind its rank (``FencedError``).
+    * All times come from the injected ``clock``, read inside the operation.
+
+    Contract for implementers: subclass, call ``super().__init__(clock=...)``
+    and implement the ``_``-prefixed hooks and ``close``. The hooks receive
+    arguments already validated by the public methods (job names well formed,
+    ``0 <= rank``, ``rank < world_size`` for ``join``, ``generation >= 1``,
+    valid ``Position``/``JobSpec``); each hook must be one atomic operation
+    (one SQLite transaction, one Redis Lua script) that reads the time from
+    ``self._now()`` and raises through ``check_identity``,
+    ``rank_outside``, ``check_generation`` and ``check_forward``, in the
+    order each public method's docstring gives. Keep each operation small and
+    self-contained: no operation spans several round trips with the store.
+    """
+
+    def __init__(self, *, clock: Clock = time.time) -> None:
+        self._clock = clock
+
+    def _now(self) -> float:
+        return float(self._clock())
+
+    # --- the public contract -----------------------------------------------
+
+    def open_job(self, spec: JobSpec, *, reset: bool = False) -> JobState:
+        """The job ``spec.job``, created if absent with every rank at ``Position(0, 0)``, generation 0.
+
+        An existing job with the same spec is returned unchanged. One with
+        another dataset or config fingerprint raises ``JobMismatchError``
+        naming each differing field (stored vs given value); one with another
+        world size raises ``WorldSizeMismatchError`` (fingerprints are checked
+        first). ``reset=True`` deletes any existing job of that name and
+        creates it afresh, whatever its spec.
+        """
+        if not isinstance(spec, JobSpec):
+            raise ConfigError("spec", f"must be a JobSpec, got {type(spec).__name__}")
+        return self._open_job(spec, reset=bool(reset))
+
+    def join(self, job: str, rank: int, world_size: int) -> RankState:
+        """Register a (new) trainer process for ``rank``: its generation is incremented and returned.
+
+        The returned generation is the fencing token the process passes to
+        ``advance``/``rewind``; every earlier process of the rank is fenced
+        off. The position is kept, ``last_seen`` refreshed. Checked in order:
+        arguments (``ConfigError`` for a rank outside ``[0, world_size)``),
+        ``JobNotFoundError``, ``WorldSizeMismatchError`` if ``world_size`` is
+        not the job's.
+        """
+        validate_job_name(job)
+        _check_int("world_size", world_size, 1, MAX_WORLD_SIZE)
+        _check_int("rank", rank, 0, MAX_INDEX)
+        if rank >= world_size:
+            raise rank_outside(rank, world_size)
+        return self._join(job, rank, world_size)
+
+    def advance(self, job: str, rank: int, generation: int, to: Position) -> RankState:
+        """Record that ``rank`` has consumed every batch before ``to``; a forward-only check-and-set.
+
+        ``to`` may lie any number of steps or epochs ahead (callers batch
+        acknowledgements); equal to the stored position it only refreshes
+        ``last_seen``. Checked in order: arguments, ``JobNotFoundError``,
+        ``ConfigError("rank")`` if ``rank >= world_size``, ``FencedError`` if
+        ``generation`` is not the current one, ``CursorRegressionError`` if
+        ``to`` lies before the stored position (which is kept).
+        """
+        self._check_move(job, rank, generation, to)
+        return self._advance(job, rank, generation, to)
+
+    def rewind(self, job: str, rank: int, generation: int, to: Position) -> RankState:
+        """Move ``rank``'s cursor to ``to``, backwards or forwards (a trainer loading its checkpoint).
+
+        Only this rank changes. Same checks as ``advance`` except the
+        direction check.
+        """
+        self._check_move(job, rank, generation, to)
+        return self._rewind(job, rank, generation, to)
+
+    def get(self, job: str) -> JobState:
+        """The job's state, read atomically (``JobNotFoundError`` if absent)."""
+        return self._get(validate_job_name(job))
+
+    def list_jobs(self) -> list[JobState]:
+        """Every job's state, sorted by job name (one consistent snapshot)."""
+        return self._list_jobs()
+
+    def delete_job(self, job: str) -> bool:
+        """Delete the job and its ranks; ``True`` if it existed."""
+        return self._delete_job(validate_job_name(job))
+
+    def ping(self) -> None:
+        """Return if the backing store can be reached and used, else raise ``StoreUnavailableError``."""
+        self._ping()
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Release connections; idempotent. Later calls raise ``StoreUnavailableError``."""
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    @staticmethod
+    def _check_move(job: str, rank: int, generation: int, to: Position) -> None:
+        validate_job_name(job)
+        _check_int("rank", rank, 0, MAX_INDEX)
+        if (
+            not isinstance(generation, int)
+            or isinstance(generation, bool)
+            or not 1 <= generation <= MAX_INDEX
+        ):
+            raise ConfigError("generation", f"must be the integer join returned (>= 1), got {generation!r}")
+        if not isinstance(to, Position):
+            raise ConfigError("to", f"must be a Position, got {type(to).__name__}")
+
+    # --- the hooks each store implements, each one atomic operation ---------
+
+    @abc.abstractmethod
+    def _open_job(self, spec: JobSpec, *, reset: bool) -> JobState: ...
+
+    @abc.abstractmethod
+    def _join(self, job: str, rank: int, world_size: int) -> RankState: ...
+
+    @abc.abstractmethod
+    def _advance(self, job: str, rank: int, generation: int, to: Position) -> RankState: ...
+
+    @abc.abstractmethod
+    def _rewind(self, job: str, rank: int, generation: int, to: Position) -> RankState: ...
+
+    @abc.abstractmethod
+    def _get(self, job: str) -> JobState: ...
+
+    @abc.abstractmethod
+    def _list_jobs(self) -> list[JobState]: ...
+
+    @abc.abstractmethod
+    def _delete_job(self, job: str) -> bool: ...
+
+    @abc.abstractmethod
+    def _ping(self) -> None: ...

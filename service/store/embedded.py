@@ -1,0 +1,350 @@
+"""The embedded cursor store: one SQLite file in WAL mode, the default on one machine.
+
+Every operation is one SQLite transaction (``BEGIN IMMEDIATE`` for writes), so
+check-and-set is atomic across the threads and processes that open the same
+file; the trade-off is that writers are serialised by the file lock (tens of
+thousands of operations a second on one disk, far above what trainers
+acknowledge) and the file must be on a local filesystem (WAL needs shared
+memory, so NFS and similar mounts are not supported).
+
+Durability: with ``synchronous=NORMAL`` in WAL mode a committed operation
+survives the crash or kill of any process, but a power loss or OS crash may
+lose the last transactions committed before it (never corrupting the file): the
+store then holds slightly older cursors and generations than the trainers
+acknowledged. Detecting and reconciling such a store from the trainers'
+positions ("store lost recent writes", PRODUCT.md guarantee 6) is the job of
+the layer above and is shared with the Redis store; ``FencedError`` with
+``generation > current`` is its signal.
+"""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
+from typing import Final
+
+from ..errors import JobNotFoundError, StoreError, StoreUnavailableError, WorldSizeMismatchError
+from .base import (
+    Clock,
+    CursorStore,
+    JobSpec,
+    JobState,
+    Position,
+    RankState,
+    check_forward,
+    check_generation,
+    check_identity,
+    rank_outside,
+)
+
+__all__ = ["SCHEMA_VERSION", "EmbeddedStore"]
+
+# Stored in PRAGMA user_version; bump with a migration in ``_migrate``.
+SCHEMA_VERSION: Final = 1
+
+_SCHEMA: Final = (
+    """
+    CREATE TABLE jobs (
+        job TEXT PRIMARY KEY,
+        dataset_fingerprint TEXT NOT NULL,
+        config_fingerprint TEXT NOT NULL,
+        world_size INTEGER NOT NULL CHECK (world_size >= 1),
+        created REAL NOT NULL,
+        updated REAL NOT NULL
+    ) WITHOUT ROWID
+    """,
+    """
+    CREATE TABLE ranks (
+        job TEXT NOT NULL REFERENCES jobs (job) ON DELETE CASCADE,
+        rank INTEGER NOT NULL CHECK (rank >= 0),
+        epoch INTEGER NOT NULL CHECK (epoch >= 0),
+        step INTEGER NOT NULL CHECK (step >= 0),
+        generation INTEGER NOT NULL CHECK (generation >= 0),
+        last_seen REAL NOT NULL,
+        PRIMARY KEY (job, rank)
+    ) WITHOUT ROWID
+    """,
+)
+
+_JOB_COLUMNS: Final = "job, dataset_fingerprint, config_fingerprint, world_size, created, updated"
+_RANK_COLUMNS: Final = "rank, epoch, step, generation, last_seen"
+
+_JobRow = tuple[str, str, str, int, float, float]
+_RankRow = tuple[int, int, int, int, float]
+
+
+def _rank_state(row: _RankRow) -> RankState:
+    rank, epoch, step, generation, last_seen = row
+    return RankState(rank, Position(epoch, step), generation, last_seen)
+
+
+def _job_state(row: _JobRow, ranks: list[_RankRow]) -> JobState:
+    job, dataset_fp, config_fp, world_size, created, updated = row
+    return JobState(
+        JobSpec(job, dataset_fp, config_fp, world_size),
+        tuple(_rank_state(r) for r in ranks),
+        created,
+        updated,
+    )
+
+
+class EmbeddedStore(CursorStore):
+    """A ``CursorStore`` in one SQLite file, shared safely by threads and processes.
+
+    One connection per store object, guarded by a lock (threads of one process
+    queue on the lock, not on SQLite's sleeping busy handler); processes and
+    other store objects on the same file wait up to ``busy_timeout_s`` for the
+    file's write lock, then get ``StoreUnavailableError``. The file is created
+    (not its directory) and its schema checked on construction, so a bad path
+    fails at once. A store object used in a forked child reconnects there
+    instead of sharing the parent's connection.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        clock: Clock = time.time,
+        busy_timeout_s: float = 10.0,
+    ) -> None:
+        super().__init__(clock=clock)
+        self.path = os.fspath(path)
+        if self.path in ("", ":memory:") or self.path.startswith("file:"):
+            raise StoreError(
+                f"the embedded store needs a file path, got {self.path!r} "
+                "(state must outlive the process and be shared with other processes)"
+            )
+        self.busy_timeout_s = busy_timeout_s
+        self._lock = threading.Lock()
+        self._db: sqlite3.Connection | None = None
+        self._pid = 0
+        self._file_id = (0, 0)
+        self._closed = False
+        with self._lock:
+            self._connection()
+
+    def __repr__(self) -> str:
+        return f"EmbeddedStore({self.path!r})"
+
+    # --- connection and transactions ---------------------------------------
+
+    def _unavailable(self, exc: sqlite3.Error) -> StoreUnavailableError:
+        return StoreUnavailableError(f"cursor store {self.path}: {exc}")
+
+    def _connection(self) -> sqlite3.Connection:
+        """The open connection (the caller holds ``self._lock``), connecting if needed."""
+        if self._closed:
+            raise StoreUnavailableError(f"cursor store {self.path} is closed")
+        if self._db is not None and self._pid == os.getpid():
+            return self._db
+        # A connection inherited through fork must not be used (or closed) here.
+        self._db = None
+        try:
+            db = sqlite3.connect(
+                self.path, timeout=self.busy_timeout_s, isolation_level=None, check_same_thread=False
+            )
+        except sqlite3.Error as exc:
+            raise self._unavailable(exc) from exc
+        try:
+            db.execute(f"PRAGMA busy_timeout = {int(self.busy_timeout_s * 1000)}")
+            (mode,) = db.execute("PRAGMA journal_mode = WAL").fetchone()
+            if str(mode).lower() != "wal":
+                raise StoreUnavailableError(
+                    f"cursor store {self.path}: cannot switch to WAL mode (got {mode!r}); "
+                    "is it on a network filesystem?"
+                )
+            db.execute("PRAGMA synchronous = NORMAL")
+            db.execute("PRAGMA foreign_keys = ON")
+            self._migrate(db)
+            stat = os.stat(self.path)
+        except BaseException as exc:
+            db.close()
+            if isinstance(exc, sqlite3.Error):
+                raise self._unavailable(exc) from exc
+            if isinstance(exc, OSError):
+                raise StoreUnavailableError(f"cursor store {self.path}: {exc}") from exc
+            raise
+        self._db, self._pid, self._file_id = db, os.getpid(), (stat.st_dev, stat.st_ino)
+        return db
+
+    def _migrate(self, db: sqlite3.Connection) -> None:
+        """Create the schema in a new file; refuse files of a newer ladle or of another program."""
+        db.execute("BEGIN IMMEDIATE")
+        try:
+            (version,) = db.execute("PRAGMA user_version").fetchone()
+            if version > SCHEMA_VERSION:
+                raise StoreError(
+                    f"cursor store {self.path} has schema version {version}, newer than this "
+                    f"ladle's {SCHEMA_VERSION}; upgrade ladle or use another file"
+                )
+            if version == 0:
+                tables = [r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")]
+                if tables:
+                    raise StoreError(
+                        f"{self.path} is an SQLite database but not a ladle cursor store "
+                        f"(it has tables {sorted(tables)}); use another file"
+                    )
+                for statement in _SCHEMA:
+                    db.execute(statement)
+                db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+            db.execute("COMMIT")
+        except BaseException:
+            db.rollback()
+            raise
+
+    @contextmanager
+    def _transaction(self, *, write: bool) -> Iterator[sqlite3.Connection]:
+        """One transaction: committed if the body returns, rolled back (changing nothing) if it raises.
+
+        Writes take the file's write lock up front (``BEGIN IMMEDIATE``), so a
+        check-and-set never reads a state another writer is about to change.
+        Reads see one consistent snapshot (WAL) and never block writers.
+        """
+        with self._lock:
+            db = self._connection()
+            try:
+                db.execute("BEGIN IMMEDIATE" if write else "BEGIN")
+            except sqlite3.Error as exc:
+                raise self._unavailable(exc) from exc
+            try:
+                yield db
+            except BaseException as exc:
+                with suppress(sqlite3.Error):  # the original error is the one to report
+                    db.rollback()
+                if isinstance(exc, sqlite3.Error):
+                    raise self._unavailable(exc) from exc
+                raise
+            try:
+                db.commit()
+            except sqlite3.Error as exc:
+                db.rollback()
+                raise self._unavailable(exc) from exc
+
+    # --- the hooks, one transaction each -----------------------------------
+
+    @staticmethod
+    def _job_row(db: sqlite3.Connection, job: str) -> _JobRow | None:
+        row: _JobRow | None = db.execute(f"SELECT {_JOB_COLUMNS} FROM jobs WHERE job = ?", (job,)).fetchone()
+        return row
+
+    @staticmethod
+    def _rank_rows(db: sqlite3.Connection, job: str) -> list[_RankRow]:
+        rows: list[_RankRow] = db.execute(
+            f"SELECT {_RANK_COLUMNS} FROM ranks WHERE job = ? ORDER BY rank", (job,)
+        ).fetchall()
+        return rows
+
+    def _open_job(self, spec: JobSpec, *, reset: bool) -> JobState:
+        with self._transaction(write=True) as db:
+            now = self._now()
+            row = self._job_row(db, spec.job)
+            if row is not None and reset:
+                self._delete(db, spec.job)
+                row = None
+            if row is not None:
+                check_identity(_job_state(row, []).spec, spec)
+                return _job_state(row, self._rank_rows(db, spec.job))
+            db.execute(
+                f"INSERT INTO jobs ({_JOB_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?)",
+                (spec.job, spec.dataset_fingerprint, spec.config_fingerprint, spec.world_size, now, now),
+            )
+            db.executemany(
+                f"INSERT INTO ranks (job, {_RANK_COLUMNS}) VALUES (?, ?, 0, 0, 0, ?)",
+                ((spec.job, rank, now) for rank in range(spec.world_size)),
+            )
+            ranks = tuple(RankState(rank, Position(0, 0), 0, now) for rank in range(spec.world_size))
+            return JobState(spec, ranks, now, now)
+
+    def _join(self, job: str, rank: int, world_size: int) -> RankState:
+        with self._transaction(write=True) as db:
+            now = self._now()
+            row = db.execute("SELECT world_size FROM jobs WHERE job = ?", (job,)).fetchone()
+            if row is None:
+                raise JobNotFoundError(job)
+            if row[0] != world_size:
+                raise WorldSizeMismatchError(job, row[0], world_size)
+            (updated,) = db.execute(
+                f"UPDATE ranks SET generation = generation + 1, last_seen = ? "
+                f"WHERE job = ? AND rank = ? RETURNING {_RANK_COLUMNS}",
+                (now, job, rank),
+            ).fetchall()
+            db.execute("UPDATE jobs SET updated = ? WHERE job = ?", (now, job))
+            return _rank_state(updated)
+
+    def _move(self, job: str, rank: int, generation: int, to: Position, *, forward_only: bool) -> RankState:
+        with self._transaction(write=True) as db:
+            now = self._now()
+            row = db.execute(
+                "SELECT j.world_size, r.epoch, r.step, r.generation FROM jobs AS j "
+                "LEFT JOIN ranks AS r ON r.job = j.job AND r.rank = ? WHERE j.job = ?",
+                (rank, job),
+            ).fetchone()
+            if row is None:
+                raise JobNotFoundError(job)
+            world_size, epoch, step, current = row
+            if current is None:
+                raise rank_outside(rank, world_size)
+            check_generation(job, rank, generation, current)
+            if forward_only:
+                check_forward(job, rank, Position(epoch, step), to)
+            db.execute(
+                "UPDATE ranks SET epoch = ?, step = ?, last_seen = ? WHERE job = ? AND rank = ?",
+                (to.epoch, to.step, now, job, rank),
+            )
+            db.execute("UPDATE jobs SET updated = ? WHERE job = ?", (now, job))
+            return RankState(rank, to, current, now)
+
+    def _advance(self, job: str, rank: int, generation: int, to: Position) -> RankState:
+        return self._move(job, rank, generation, to, forward_only=True)
+
+    def _rewind(self, job: str, rank: int, generation: int, to: Position) -> RankState:
+        return self._move(job, rank, generation, to, forward_only=False)
+
+    def _get(self, job: str) -> JobState:
+        with self._transaction(write=False) as db:
+            row = self._job_row(db, job)
+            if row is None:
+                raise JobNotFoundError(job)
+            return _job_state(row, self._rank_rows(db, job))
+
+    def _list_jobs(self) -> list[JobState]:
+        with self._transaction(write=False) as db:
+            jobs: list[_JobRow] = db.execute(f"SELECT {_JOB_COLUMNS} FROM jobs ORDER BY job").fetchall()
+            rows: list[tuple[str, int, int, int, int, float]] = db.execute(
+                f"SELECT job, {_RANK_COLUMNS} FROM ranks ORDER BY job, rank"
+            ).fetchall()
+            ranks: dict[str, list[_RankRow]] = {row[0]: [] for row in jobs}
+            for row in rows:
+                ranks[row[0]].append(row[1:])
+            return [_job_state(row, ranks[row[0]]) for row in jobs]
+
+    @staticmethod
+    def _delete(db: sqlite3.Connection, job: str) -> bool:
+        db.execute("DELETE FROM ranks WHERE job = ?", (job,))
+        return db.execute("DELETE FROM jobs WHERE job = ?", (job,)).rowcount > 0
+
+    def _delete_job(self, job: str) -> bool:
+        with self._transaction(write=True) as db:
+            return self._delete(db, job)
+
+    def _ping(self) -> None:
+        with self._transaction(write=False) as db:
+            db.execute("SELECT count(*) FROM jobs").fetchone()
+        # SQLite keeps writing to a file removed or replaced under it; that state would be lost.
+        try:
+            stat = os.stat(self.path)
+        except OSError as exc:
+            raise StoreUnavailableError(f"cursor store {self.path} was removed: {exc}") from exc
+        if (stat.st_dev, stat.st_ino) != self._file_id:
+            raise StoreUnavailableError(f"cursor store {self.path} was replaced by another file")
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            if self._db is not None and self._pid == os.getpid():
+                self._db.close()
+            self._db = None

@@ -1,0 +1,38 @@
+"""BatchClient's torch path and the DataLoader adapter against a real server."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from ladle.client import BatchClient  # noqa: E402
+from ladle.client.torch_data import BatchDataset  # noqa: E402
+
+
+def test_tensors_match_numpy(server_factory: Callable[..., Any]) -> None:
+    server = server_factory()
+    with BatchClient(0, 1, server.address, "np", timeout=30) as plain:
+        first = [b for _, b in zip(range(5), plain, strict=False)]
+        expected = [(np.array(b.input_ids), np.array(b.attention_mask)) for b in first]
+    with BatchClient(0, 1, server.address, "pt", timeout=30, device="cpu") as client:
+        got = [b for _, b in zip(range(5), client, strict=False)]
+    for (ids, mask), batch in zip(expected, got, strict=True):
+        assert isinstance(batch.input_ids, torch.Tensor)
+        assert batch.input_ids.dtype == torch.int32
+        assert np.array_equal(batch.input_ids.numpy(), ids)
+        assert np.array_equal(batch.attention_mask.numpy(), mask)
+
+
+def test_dataloader_adapter(server_factory: Callable[..., Any]) -> None:
+    server = server_factory()
+    data = BatchDataset(0, 1, server.address, "dl", timeout=30)
+    loader = torch.utils.data.DataLoader(data, batch_size=None, num_workers=0)
+    steps = [batch.step for batch in loader]
+    assert steps == list(range(len(steps)))
+    assert data.state_dict()["epoch"] == 1
+    data.close()

@@ -1,0 +1,685 @@
+"""Assembler (gather + pad from the Arrow buffers) and Prefetcher (ordered, bounded read-ahead)."""
+
+from __future__ import annotations
+
+import gc
+import itertools
+import threading
+import time
+import tracemalloc
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import datasets
+import numpy as np
+import numpy.typing as npt
+import pyarrow as pa
+import pyarrow.compute as pc
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from ladle.service.assemble import Assembler, BatchBuffers, Prefetcher
+from ladle.service.dataset import TokenDataset, open_dataset
+from ladle.service.errors import DatasetError
+from ladle.service.schedule import ScheduleConfig, build_schedule
+from ladle.service.synth import make_dataset
+
+TINY = 1 / 16  # production lengths / 16: at most 768 tokens a row
+# The production schedule shrunk by the same factor.
+TINY_SCHEDULE = ScheduleConfig(
+    max_seq_len=512,
+    bucket_bounds=(0, 48, 76, 108, 152, 206, 513),
+    token_budget=3072,
+    max_batch_size=64,
+    sort_chunk=256,
+)
+I64 = npt.NDArray[np.int64]
+
+
+# --- helpers ---------------------------------------------------------------
+
+
+def reference(
+    ds: TokenDataset, rows: npt.ArrayLike, padded_len: int, pad_id: int = 0
+) -> tuple[npt.NDArray[np.int32], npt.NDArray[np.int8], npt.NDArray[np.int32]]:
+    """The batch built the slow, obvious way: one Python list per row from Arrow."""
+    row_list = [int(r) for r in np.asarray(rows).tolist()]
+    ids = np.full((len(row_list), padded_len), pad_id, dtype=np.int32)
+    mask = np.zeros((len(row_list), padded_len), dtype=np.int8)
+    lengths = np.zeros(len(row_list), dtype=np.int32)
+    tokens, masks = ds.table.column("input_ids"), ds.table.column("loss_mask")
+    for i, row in enumerate(row_list):
+        toks = tokens[row].as_py()[:padded_len]
+        ids[i, : len(toks)] = toks
+        mask[i, : len(toks)] = masks[row].as_py()[:padded_len]
+        lengths[i] = len(toks)
+    return ids, mask, lengths
+
+
+def assert_matches(
+    batch: BatchBuffers, ds: TokenDataset, rows: npt.ArrayLike, padded_len: int, pad_id: int = 0
+) -> None:
+    ids, mask, lengths = reference(ds, rows, padded_len, pad_id)
+    assert batch.input_ids.dtype == np.int32, "input_ids is not int32"
+    assert batch.loss_mask.dtype == np.int8, "loss_mask is not int8"
+    assert batch.input_ids.shape == ids.shape, "wrong batch shape"
+    assert batch.loss_mask.shape == ids.shape, "wrong loss_mask shape"
+    assert batch.input_ids.flags.c_contiguous, "input_ids not C-contiguous"
+    assert batch.loss_mask.flags.c_contiguous, "loss_mask not C-contiguous"
+    assert batch.input_ids.tobytes() == ids.tobytes(), "input_ids differ from the reference"
+    assert batch.loss_mask.tobytes() == mask.tobytes(), "loss_mask differs from the reference"
+    assert batch.lengths.tobytes() == lengths.tobytes(), "lengths differ from the reference"
+    assert batch.sample_ids.dtype == np.int64, "sample_ids is not int64"
+    assert batch.sample_ids.tolist() == np.asarray(rows).tolist(), "sample_ids are not the rows"
+
+
+def in_memory(table: pa.Table) -> TokenDataset:
+    """A TokenDataset over an in-memory table, exactly as ``open_dataset`` would describe it."""
+    parts = [
+        np.diff(np.asarray(c.offsets.to_numpy(), dtype=np.int64)) for c in table.column("input_ids").chunks
+    ]
+    lengths: I64 = np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, dtype=np.int64)
+    return TokenDataset(
+        path="<memory>",
+        num_rows=table.num_rows,
+        lengths=lengths,
+        fingerprint="0" * 16,
+        has_seq_len=False,
+        table=table,
+    )
+
+
+def list_chunk(
+    rows: list[npt.NDArray[Any]],
+    value_type: pa.DataType,
+    large: bool,
+    rng: np.random.Generator,
+    before: int = 0,
+    after: int = 0,
+    child_shift: int = 0,
+) -> pa.Array:
+    """A list array of ``rows``, sliced out of a bigger one whose values child is itself sliced."""
+    junk = [rng.integers(0, 100, size=int(rng.integers(1, 5))) for _ in range(before + after)]
+    every = junk[:before] + rows + junk[before:]
+    lengths = np.array([len(r) for r in every], dtype=np.int64)
+    offsets = np.r_[0, np.cumsum(lengths)]
+    flat = np.concatenate(every) if every else np.zeros(0, dtype=np.int64)
+    values = pa.array(np.r_[rng.integers(0, 100, size=child_shift), flat], type=value_type)
+    values = values.slice(child_shift)
+    if large:
+        whole = pa.LargeListArray.from_arrays(pa.array(offsets, type=pa.int64()), values)
+    else:
+        whole = pa.ListArray.from_arrays(pa.array(offsets, type=pa.int32()), values)
+    return whole.slice(before, len(rows))
+
+
+def chunked(
+    rows: list[npt.NDArray[Any]],
+    cuts: list[int],
+    value_type: pa.DataType,
+    large: bool,
+    rng: np.random.Generator,
+    sliced: bool,
+) -> pa.ChunkedArray:
+    edges = [0, *sorted(set(cuts)), len(rows)]
+    chunks = []
+    for lo, hi in itertools.pairwise(edges):
+        pad = (
+            (int(rng.integers(0, 3)), int(rng.integers(0, 3)), int(rng.integers(0, 7)))
+            if sliced
+            else (0, 0, 0)
+        )
+        chunks.append(list_chunk(rows[lo:hi], value_type, large, rng, *pad))
+    list_type = pa.large_list(value_type) if large else pa.list_(value_type)
+    return pa.chunked_array(chunks, type=list_type)
+
+
+def rss_kib(field: str) -> int:
+    """One ``/proc/self/status`` memory figure (KiB), e.g. RssFile or RssAnon."""
+    with open("/proc/self/status", encoding="ascii") as fh:
+        for line in fh:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    pytest.skip(f"/proc/self/status has no {field}")
+
+
+def save(
+    path: Path, columns: dict[str, Any], features: datasets.Features | None = None, **kwargs: Any
+) -> TokenDataset:
+    datasets.disable_progress_bars()
+    datasets.Dataset.from_dict(columns, features=features).save_to_disk(str(path), **kwargs)
+    return open_dataset(path)
+
+
+def random_rows(rng: np.random.Generator, count: int, low: int = 1, high: int = 40) -> list[list[int]]:
+    return [rng.integers(1, 50_000, size=int(rng.integers(low, high))).tolist() for _ in range(count)]
+
+
+# --- fixtures --------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def synth(tmp_path_factory: pytest.TempPathFactory) -> TokenDataset:
+    return make_dataset(tmp_path_factory.mktemp("assemble") / "synth", 4000, seed=3, scale=TINY)
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory: pytest.TempPathFactory) -> TokenDataset:
+    """Three shards (so three Arrow chunks), int32 tokens, uint8 (bool-as-int) masks."""
+    rng = np.random.default_rng(11)
+    rows = random_rows(rng, 300)
+    masks = [(rng.random(len(r)) < 0.7).tolist() for r in rows]  # Python bools, stored as uint8
+    features = datasets.Features(
+        {
+            "input_ids": datasets.Sequence(datasets.Value("int32")),
+            "loss_mask": datasets.Sequence(datasets.Value("uint8")),
+        }
+    )
+    ds = save(
+        tmp_path_factory.mktemp("assemble") / "shards",
+        {"input_ids": rows, "loss_mask": masks},
+        features,
+        num_shards=3,
+    )
+    assert ds.table.column("input_ids").num_chunks >= 3, "the dataset should span several Arrow chunks"
+    return ds
+
+
+# --- correctness -----------------------------------------------------------
+
+
+def test_matches_reference_on_synthetic_rows(synth: TokenDataset) -> None:
+    asm = Assembler(synth)
+    rng = np.random.default_rng(0)
+    for _ in range(40):
+        rows = np.sort(rng.choice(synth.num_rows, size=int(rng.integers(1, 65)), replace=False))
+        padded_len = int(synth.lengths[rows].max()) + int(rng.integers(0, 5))
+        assert_matches(asm.assemble(rows, padded_len), synth, rows, padded_len)
+
+
+def test_matches_reference_across_shards(shards: TokenDataset) -> None:
+    asm = Assembler(shards)
+    chunk_rows = np.cumsum([len(c) for c in shards.table.column("input_ids").chunks])[:-1]
+    edges = np.unique(np.r_[0, chunk_rows - 1, chunk_rows, shards.num_rows - 1])
+    padded_len = int(shards.lengths.max())
+    assert_matches(asm.assemble(edges, padded_len), shards, edges, padded_len)
+    rng = np.random.default_rng(1)
+    for _ in range(30):
+        rows = rng.integers(0, shards.num_rows, size=int(rng.integers(1, 40)))  # any order, repeats
+        assert_matches(asm.assemble(rows, padded_len, pad_id=-1), shards, rows, padded_len, pad_id=-1)
+
+
+def test_serves_a_whole_schedule_epoch(synth: TokenDataset) -> None:
+    sched = build_schedule(synth.lengths, TINY_SCHEDULE, world_size=2)
+    asm = Assembler(synth)
+    seen = []
+    for step in range(sched.num_steps):
+        for rank in range(sched.world_size):
+            rows, padded_len = sched.samples(step, rank), sched.padded_len(step, rank)
+            with asm.assemble(rows, padded_len) as batch:
+                assert_matches(batch, synth, rows, padded_len)
+                assert batch.lengths.tolist() == sched.lengths(step, rank).tolist(), (
+                    "lengths != schedule's cut"
+                )
+                seen.append(rows)
+    assert len(np.unique(np.concatenate(seen))) == len(sched.scheduled_rows()), "missing samples"
+
+
+def test_truncates_rows_longer_than_padded_len(synth: TokenDataset) -> None:
+    asm = Assembler(synth)
+    rows = np.argsort(synth.lengths)[-8:]  # the longest rows
+    for padded_len in (1, 7, int(synth.lengths[rows].min()) - 1):
+        batch = asm.assemble(rows, padded_len)
+        assert_matches(batch, synth, rows, padded_len)
+        assert (batch.lengths == padded_len).all(), "rows were not cut to padded_len"
+
+
+def test_pad_id_and_padding_mask(shards: TokenDataset) -> None:
+    asm = Assembler(shards)
+    rows = np.arange(10)
+    padded_len = int(shards.lengths[rows].max()) + 3
+    for pad_id in (0, 7, -1, 2**31 - 1, -(2**31)):
+        batch = asm.assemble(rows, padded_len, pad_id=pad_id)
+        assert_matches(batch, shards, rows, padded_len, pad_id)
+        tail = np.arange(padded_len)[None, :] >= batch.lengths[:, None]
+        assert (batch.input_ids[tail] == pad_id).all(), "padding is not pad_id"
+        assert (batch.loss_mask[tail] == 0).all(), "loss_mask is not 0 on padding"
+
+
+def test_padding_wider_than_the_first_buffers(synth: TokenDataset) -> None:
+    asm = Assembler(synth)
+    rows = np.arange(3)
+    for padded_len, pad_id in [(10, 1), (5000, 2), (9000, 1), (300, 3), (20_000, 4), (17, 5), (9000, 2)]:
+        assert_matches(asm.assemble(rows, padded_len, pad_id), synth, rows, padded_len, pad_id)
+
+
+@pytest.mark.parametrize(
+    ("token_type", "mask_type"),
+    [("int64", "int8"), ("int16", "uint8"), ("uint16", "int32"), ("int32", "int64"), ("int32", "uint8")],
+)
+def test_other_integer_widths_are_converted(tmp_path: Path, token_type: str, mask_type: str) -> None:
+    rng = np.random.default_rng(5)
+    rows = [rng.integers(1, 30_000, size=int(rng.integers(1, 30))).tolist() for _ in range(60)]
+    masks = [(rng.random(len(r)) < 0.5).astype(int).tolist() for r in rows]
+    features = datasets.Features(
+        {
+            "input_ids": datasets.Sequence(datasets.Value(token_type)),
+            "loss_mask": datasets.Sequence(datasets.Value(mask_type)),
+        }
+    )
+    ds = save(tmp_path / "ds", {"input_ids": rows, "loss_mask": masks}, features, num_shards=2)
+    asm = Assembler(ds)
+    picks = np.array([0, 5, 29, 30, 31, 59])
+    assert_matches(asm.assemble(picks, 40, pad_id=3), ds, picks, 40, pad_id=3)
+
+
+def test_inferred_types_match(tmp_path: Path) -> None:
+    rng = np.random.default_rng(6)
+    rows = random_rows(rng, 50)
+    ds = save(tmp_path / "ds", {"input_ids": rows, "loss_mask": [[1] * len(r) for r in rows]}, num_shards=3)
+    # datasets infers int32 for a column named input_ids, int64 for other Python ints
+    assert pa.types.is_int64(ds.table.schema.field("loss_mask").type.value_type)
+    picks = np.arange(50)
+    assert_matches(Assembler(ds).assemble(picks, 45), ds, picks, 45)
+
+
+def test_sliced_chunks_and_different_chunkings() -> None:
+    rng = np.random.default_rng(7)
+    rows = [rng.integers(0, 1000, size=int(rng.integers(1, 20))) for _ in range(50)]
+    masks = [rng.integers(0, 2, size=len(r)) for r in rows]
+    for large in (False, True):
+        table = pa.table(
+            {
+                "input_ids": chunked(rows, [7, 8, 30], pa.int32(), large, rng, sliced=True),
+                "loss_mask": chunked(masks, [3, 25, 26, 49], pa.int8(), large, rng, sliced=True),
+            }
+        )
+        ds = in_memory(table)
+        asm = Assembler(ds)
+        every = np.arange(50)
+        assert_matches(asm.assemble(every, 20), ds, every, 20)
+        assert_matches(asm.assemble(every[::-1], 5, pad_id=9), ds, every[::-1], 5, pad_id=9)
+
+
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    num_rows=st.integers(1, 60),
+    ids_cuts=st.lists(st.integers(1, 59), max_size=5),
+    mask_cuts=st.lists(st.integers(1, 59), max_size=5) | st.none(),
+    large=st.booleans(),
+    sliced=st.booleans(),
+    token_type=st.sampled_from([pa.int32(), pa.int64(), pa.uint16()]),
+    mask_type=st.sampled_from([pa.int8(), pa.uint8(), pa.int16()]),
+    padded_len=st.integers(1, 40),
+    pad_id=st.integers(-(2**31), 2**31 - 1),
+)
+def test_property_matches_reference(
+    seed: int,
+    num_rows: int,
+    ids_cuts: list[int],
+    mask_cuts: list[int] | None,
+    large: bool,
+    sliced: bool,
+    token_type: pa.DataType,
+    mask_type: pa.DataType,
+    padded_len: int,
+    pad_id: int,
+) -> None:
+    rng = np.random.default_rng(seed)
+    rows = [rng.integers(0, 60_000, size=int(rng.integers(1, 30))) for _ in range(num_rows)]
+    masks = [rng.integers(0, 2, size=len(r)) for r in rows]
+    ids_cuts = [c for c in ids_cuts if c < num_rows]
+    mask_cuts = ids_cuts if mask_cuts is None else [c for c in mask_cuts if c < num_rows]
+    table = pa.table(
+        {
+            "input_ids": chunked(rows, ids_cuts, token_type, large, rng, sliced),
+            "loss_mask": chunked(masks, mask_cuts, mask_type, large, rng, sliced),
+        }
+    )
+    ds = in_memory(table)
+    picks = rng.integers(0, num_rows, size=int(rng.integers(0, 40)))
+    assert_matches(Assembler(ds).assemble(picks, padded_len, pad_id), ds, picks, padded_len, pad_id)
+
+
+def test_empty_row_set(synth: TokenDataset) -> None:
+    batch = Assembler(synth).assemble(np.zeros(0, dtype=np.int64), 16)
+    assert batch.input_ids.shape == (0, 16), "an empty batch has the wrong shape"
+    assert batch.num_tokens == 0
+
+
+# --- validation ------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("rows", "padded_len", "pad_id", "message"),
+    [
+        ([0, -1], 8, 0, "outside the dataset's rows"),
+        ([0, 4000], 8, 0, "outside the dataset's rows"),
+        ([[0, 1]], 8, 0, "1-D"),
+        ([0.0, 1.0], 8, 0, "integers"),
+        ([0], 0, 0, "padded_len"),
+        ([0], -3, 0, "padded_len"),
+        ([0], 2.5, 0, "padded_len"),
+        ([0], True, 0, "padded_len"),
+        ([0], 8, 2**31, "pad_id"),
+        ([0], 8, -(2**31) - 1, "pad_id"),
+    ],
+)
+def test_bad_arguments_are_refused(
+    synth: TokenDataset, rows: Any, padded_len: Any, pad_id: Any, message: str
+) -> None:
+    with pytest.raises(ValueError, match=message):
+        Assembler(synth).assemble(np.asarray(rows), padded_len, pad_id)
+
+
+def test_bool_and_float_columns_are_refused() -> None:
+    rows = [[1, 2], [3]]
+    for mask in (pa.array([[True, False], [True]]), pa.array([[1.0, 0.0], [1.0]])):
+        table = pa.table({"input_ids": pa.array(rows, type=pa.list_(pa.int32())), "loss_mask": mask})
+        with pytest.raises(DatasetError, match="loss_mask"):
+            Assembler(in_memory(table))
+
+
+def test_lengths_that_disagree_with_the_offsets_are_refused() -> None:
+    table = pa.table(
+        {
+            "input_ids": pa.array([[1, 2], [3]], type=pa.list_(pa.int32())),
+            "loss_mask": pa.array([[1, 0], [1]], type=pa.list_(pa.int8())),
+        }
+    )
+    ds = in_memory(table)
+    wrong = TokenDataset(ds.path, 2, np.array([2, 2], dtype=np.int64), ds.fingerprint, False, table)
+    with pytest.raises(DatasetError, match="lengths"):
+        Assembler(wrong)
+
+
+# --- ownership and reuse ---------------------------------------------------
+
+
+def test_a_held_batch_is_never_overwritten(synth: TokenDataset) -> None:
+    asm = Assembler(synth)
+    rng = np.random.default_rng(2)
+    held = []
+    for _ in range(20):
+        rows = rng.choice(synth.num_rows, size=16, replace=False)
+        held.append((rows, asm.assemble(rows, 800)))
+    for rows, batch in held:  # every later assemble wrote elsewhere
+        assert_matches(batch, synth, rows, 800)
+
+
+def test_release_recycles_memory_and_is_idempotent(synth: TokenDataset) -> None:
+    asm = Assembler(synth, max_free=2)
+    first = asm.assemble(np.arange(10), 100)
+    address = first.input_ids.ctypes.data
+    first.release()
+    first.release()
+    assert first.released
+    assert asm.free_buffers == 1, "a double release must not hand the memory out twice"
+    second = asm.assemble(np.arange(20, 28), 50)
+    assert second.input_ids.ctypes.data == address, "released memory was not reused"
+    third = asm.assemble(np.arange(5), 50)
+    assert third.input_ids.ctypes.data != address, "memory still held was handed out again"
+    assert_matches(second, synth, np.arange(20, 28), 50)
+    with pytest.raises(ValueError, match="released"):
+        asm.assemble(np.arange(3), 10, out=first)
+
+
+def test_out_is_overwritten_in_place_and_grows(synth: TokenDataset) -> None:
+    asm = Assembler(synth)
+    batch = asm.assemble(np.arange(4), 10)
+    again = asm.assemble(np.arange(10, 13), 20, out=batch)
+    assert again is batch, "out= must return the object it was given"
+    assert_matches(batch, synth, np.arange(10, 13), 20)
+    big_rows = np.arange(100, 300)
+    asm.assemble(big_rows, 700, out=batch)  # larger than any buffer so far
+    assert_matches(batch, synth, big_rows, 700)
+
+
+def test_steady_state_reuses_a_few_buffers(synth: TokenDataset) -> None:
+    sched = build_schedule(synth.lengths, TINY_SCHEDULE, world_size=1)
+    asm = Assembler(synth)
+    addresses = set()
+    for step in range(sched.num_steps):
+        batch = asm.assemble(sched.samples(step, 0), sched.padded_len(step, 0))
+        addresses.add(batch.input_ids.ctypes.data)
+        batch.release()
+    # capacities grow in powers of two: a handful of allocations at most, then none
+    assert len(addresses) <= 3, f"{len(addresses)} buffers for {sched.num_steps} batches"
+
+
+# --- memory ----------------------------------------------------------------
+
+
+def mapped_fresh(path: Path) -> TokenDataset:
+    """The saved dataset in a new memory map, its lengths read from the offsets alone.
+
+    ``open_dataset`` samples tokens for the fingerprint, and the kernel maps
+    the pages around each sample (fault-around), which on a small dataset is
+    every page; this leaves the token pages unmapped, so that RssFile shows
+    what the assembler itself touches.
+    """
+    gc.collect()  # unmap an earlier mapping of the same files
+    table = datasets.load_from_disk(str(path)).data.table
+    lengths = np.asarray(pc.list_value_length(table.column("input_ids")).to_numpy(), dtype=np.int64)
+    return TokenDataset(str(path), table.num_rows, lengths, "0" * 16, False, table)
+
+
+def test_construction_reads_no_token_page_and_allocates_per_row(tmp_path: Path) -> None:
+    rows = 5000
+    peaks = {}
+    for scale in (1 / 32, 1.0):  # 32x the tokens, the same rows
+        make_dataset(tmp_path / f"s{scale}", rows, seed=4, scale=scale)
+        ds = mapped_fresh(tmp_path / f"s{scale}")
+        file_before = rss_kib("RssFile")
+        tracemalloc.start()
+        try:
+            asm = Assembler(ds)
+            peaks[scale] = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        mapped = (rss_kib("RssFile") - file_before) * 1024
+        token_bytes = ds.num_tokens * 5
+    # the larger dataset, last: building touched next to nothing of its 50 MB of tokens...
+    assert mapped < token_bytes // 8, f"building the assembler mapped {mapped} bytes of token pages"
+    # ...and the measure is not blind: serving every row maps them
+    every = np.arange(rows)
+    for first in range(0, rows, 64):
+        asm.assemble(every[first : first + 64], 8192).release()
+    mapped = (rss_kib("RssFile") - file_before) * 1024
+    assert mapped > token_bytes // 2, f"serving every row mapped only {mapped} bytes: RssFile is blind"
+    assert peaks[1.0] < 24 * rows + (1 << 20), f"construction allocated {peaks[1.0]} bytes for {rows} rows"
+    assert peaks[1.0] < 1.5 * peaks[1 / 32] + (256 << 10), f"allocation grew with tokens: {peaks}"
+
+
+def test_serving_an_epoch_keeps_memory_flat(tmp_path: Path) -> None:
+    ds = make_dataset(tmp_path / "ds", 20_000, seed=5, scale=1 / 4)
+    sched = build_schedule(
+        ds.lengths, ScheduleConfig(max_seq_len=2048, bucket_bounds=(0, 2049), token_budget=12288)
+    )
+    jobs = [(sched.samples(s, 0), sched.padded_len(s, 0)) for s in range(sched.num_steps)]
+    asm = Assembler(ds)
+    for rows, padded_len in jobs[:5]:  # warm the free list
+        asm.assemble(rows, padded_len).release()
+    gc.collect()
+    anon_before = rss_kib("RssAnon")
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        for rows, padded_len in jobs:
+            asm.assemble(rows, padded_len).release()
+        current, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    anon_growth = (rss_kib("RssAnon") - anon_before) * 1024
+    token_bytes = ds.num_tokens * 5
+    assert current - base < 256 << 10, f"{current - base} bytes still held after an epoch"
+    assert peak - base < 4 << 20, f"peak {peak - base} bytes while serving"
+    assert anon_growth < min(32 << 20, token_bytes // 4), f"anonymous memory grew {anon_growth} bytes"
+
+
+# --- Prefetcher ------------------------------------------------------------
+
+
+class Recording(Assembler):
+    """An assembler that counts calls, can be held at a gate, and sleeps a little at random."""
+
+    def __init__(self, dataset: TokenDataset, jitter: float = 0.0) -> None:
+        super().__init__(dataset)
+        self.started = 0
+        self.finished = 0
+        self.made: list[BatchBuffers] = []
+        self.gate = threading.Event()
+        self.gate.set()
+        self.entered = threading.Event()
+        self._count = threading.Lock()
+        self._rng = np.random.default_rng(0)
+        self._jitter = jitter
+
+    def assemble(
+        self, rows: npt.ArrayLike, padded_len: int, pad_id: int = 0, out: BatchBuffers | None = None
+    ) -> BatchBuffers:
+        with self._count:
+            self.started += 1
+            pause = float(self._rng.random()) * self._jitter
+        self.entered.set()
+        self.gate.wait(10)
+        time.sleep(pause)
+        try:
+            batch = super().assemble(rows, padded_len, pad_id, out)
+            self.made.append(batch)
+            return batch
+        finally:
+            with self._count:
+                self.finished += 1
+
+
+def make_jobs(ds: TokenDataset, count: int, seed: int = 0) -> list[tuple[int, I64, int]]:
+    rng = np.random.default_rng(seed)
+    jobs = []
+    for key in range(count):
+        rows = np.sort(rng.choice(ds.num_rows, size=int(rng.integers(1, 33)), replace=False))
+        jobs.append((key, rows, int(ds.lengths[rows].max())))
+    return jobs
+
+
+def counted(jobs: list[tuple[int, I64, int]], pulled: list[int]) -> Iterator[tuple[int, I64, int]]:
+    for job in jobs:
+        pulled[0] += 1
+        yield job
+
+
+def drain(prefetch: Prefetcher[int]) -> tuple[list[int], Exception | None]:
+    """Keys yielded before the iteration ended, and the exception that ended it (if any)."""
+    got = []
+    try:
+        for key, batch in prefetch:
+            got.append(key)
+            batch.release()
+    except Exception as exc:
+        return got, exc
+    return got, None
+
+
+def test_prefetcher_yields_in_order(synth: TokenDataset) -> None:
+    asm = Recording(synth, jitter=0.003)  # workers finish out of order
+    jobs = make_jobs(synth, 40)
+    with Prefetcher(asm, jobs, depth=4, workers=2, pad_id=5) as prefetch:
+        got = []
+        for key, batch in prefetch:
+            _, rows, padded_len = jobs[key]
+            assert_matches(batch, synth, rows, padded_len, pad_id=5)
+            got.append(key)
+            batch.release()
+    assert got == list(range(40)), "batches came out of order or went missing"
+
+
+def test_prefetcher_does_not_run_ahead_of_a_slow_consumer(synth: TokenDataset) -> None:
+    asm = Recording(synth)
+    pulled = [0]
+    depth = 3
+    with Prefetcher(asm, counted(make_jobs(synth, 30), pulled), depth=depth, workers=2) as prefetch:
+        for consumed in range(1, 6):
+            next(prefetch)
+            # a slow consumer: the workers have all the time they want to run ahead
+            deadline = time.monotonic() + 5
+            while asm.finished < consumed + depth and time.monotonic() < deadline:
+                time.sleep(0.01)
+            time.sleep(0.05)
+            assert asm.finished == consumed + depth, f"read-ahead {asm.finished - consumed}, not depth"
+            assert pulled[0] <= consumed + depth, f"pulled {pulled[0]} jobs with {consumed} consumed"
+            assert asm.started <= consumed + depth, f"assembled {asm.started} with {consumed} consumed"
+
+
+def test_close_while_workers_are_busy(synth: TokenDataset) -> None:
+    asm = Recording(synth)
+    asm.gate.clear()  # every assembly blocks until the gate opens
+    prefetch = Prefetcher(asm, make_jobs(synth, 50), depth=8, workers=2)
+    outcome: list[str] = []
+
+    def consume() -> None:
+        try:
+            next(prefetch)
+            outcome.append("batch")
+        except StopIteration:
+            outcome.append("stopped")
+
+    consumer = threading.Thread(target=consume)
+    consumer.start()
+    assert asm.entered.wait(5), "no worker started"
+    began = time.perf_counter()
+    prefetch.close()
+    prefetch.close()  # idempotent
+    assert time.perf_counter() - began < 0.5, "close() waited for busy workers"
+    asm.gate.set()
+    consumer.join(5)
+    assert not consumer.is_alive(), "the consumer is stuck after close()"
+    assert outcome == ["stopped"], f"consumer saw {outcome} after close()"
+    deadline = time.monotonic() + 5  # the last done-callback runs just after the worker returns
+    while (
+        asm.finished < asm.started or not all(b.released for b in asm.made)
+    ) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert asm.started <= 2, f"{asm.started} jobs ran: queued work was not cancelled"
+    assert len(asm.made) == asm.started, "a started job did not finish"
+    assert all(b.released for b in asm.made), "batches made before close() were not released"
+    with pytest.raises(StopIteration):
+        next(prefetch)
+
+
+def test_assembly_error_is_raised_in_position(synth: TokenDataset) -> None:
+    jobs: list[tuple[int, Any, int]] = list(make_jobs(synth, 8))
+    jobs[4] = (4, np.array([synth.num_rows]), 10)  # out of range
+    prefetch = Prefetcher(Assembler(synth), jobs, depth=4, workers=2)
+    got, error = drain(prefetch)
+    assert isinstance(error, ValueError), f"expected the assembly error, got {error!r}"
+    assert "outside the dataset's rows" in str(error)
+    assert got == [0, 1, 2, 3], f"the error came at the wrong place (after {got})"
+    assert prefetch.closed
+    with pytest.raises(StopIteration):
+        next(prefetch)
+
+
+def test_jobs_iterator_error_is_raised_in_position(synth: TokenDataset) -> None:
+    def jobs() -> Iterator[tuple[int, I64, int]]:
+        yield from make_jobs(synth, 3)
+        raise RuntimeError("schedule broke")
+
+    with Prefetcher(Assembler(synth), jobs(), depth=8) as prefetch:
+        got, error = drain(prefetch)
+    assert isinstance(error, RuntimeError), f"expected the jobs' error, got {error!r}"
+    assert got == [0, 1, 2], f"the error came at the wrong place (after {got})"
+
+
+def test_prefetcher_stops_cleanly_and_closes(synth: TokenDataset) -> None:
+    prefetch = Prefetcher(Assembler(synth), make_jobs(synth, 3), depth=1, workers=1)
+    assert [key for key, _ in prefetch] == [0, 1, 2]
+    assert prefetch.closed, "an exhausted prefetcher should close its pool"
+    assert list(Prefetcher(Assembler(synth), [])) == []
+
+
+@pytest.mark.parametrize(("depth", "workers"), [(0, 1), (1, 0), (-1, 2)])
+def test_prefetcher_arguments(synth: TokenDataset, depth: int, workers: int) -> None:
+    with pytest.raises(ValueError, match=r"depth|workers"):
+        Prefetcher(Assembler(synth), [], depth=depth, workers=workers)
