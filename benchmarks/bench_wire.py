@@ -11,14 +11,18 @@ repeats). The cases, in the order the README's table lists them:
 - ``frame``: layout (b): the server runs ``codec.encode_batch`` per batch,
   identity serializers, the client runs ``codec.decode_batch`` (all checks,
   zero-copy views).
+- ``protobuf``: layout (a): a ``ladle.v1.Batch`` message with ``bytes``
+  fields built per batch and serialized by protobuf; the client parses it
+  and views the fields with ``np.frombuffer``.
 - ``frame_bidi``, ``frame_bidi_64``: layout (b) through the production call
   shape: a bidirectional stream opened with ``Open{prefetch}`` and fed
   ``Credit`` messages, so at most ``prefetch`` batches are in flight (16 with
   a credit every 4 batches; 64 with a credit every 16).
-- ``protobuf``: layout (a): a ``ladle.v1.Batch`` message with ``bytes``
-  fields built per batch and serialized by protobuf; the client parses it
-  and views the fields with ``np.frombuffer``.
 
+Ratios ("x grpc_raw", "x protobuf") are medians of per-repeat ratios: each
+case is paired with the baseline run of the same repeat, seconds apart, which
+holds up better than a ratio of medians on a machine whose load changes. "CPU
+us/batch" is the server's and the clients' CPU time (all threads) per batch.
 It also times encode and decode alone in this process. Bounded loops only;
 every socket binds 127.0.0.1; the server and client processes are stopped in
 ``finally`` blocks. Run: ``python -m benchmarks.bench_wire`` (``--quick``
@@ -51,7 +55,7 @@ import numpy as np
 from ladle.proto import codec, rpc
 from ladle.proto import ladle_pb2 as pb
 
-CASES = ("tcp", "grpc_raw", "frame", "frame_bidi", "frame_bidi_64", "protobuf")
+CASES = ("tcp", "grpc_raw", "frame", "protobuf", "frame_bidi", "frame_bidi_64")
 TOKEN_BUDGET = 49152
 MAX_BATCH_SIZE = 64
 # (rows, padded_len) of the production buckets' full batches: rows x padded_len <= 49152.
@@ -356,6 +360,15 @@ def _cpu_seconds(pid: int | None) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def _paired(
+    measured: list[tuple[float, float, float]], baseline: list[tuple[float, float, float]] | None
+) -> float | None:
+    """Median over repeats of this case's GB/s over the baseline's GB/s in the same repeat."""
+    if not baseline:
+        return None
+    return round(statistics.median(m[0] / b[0] for m, b in zip(measured, baseline, strict=True)), 2)
+
+
 def _stop_all(processes: list[BaseProcess]) -> None:
     for process in processes:
         process.join(timeout=5)
@@ -393,8 +406,9 @@ def bench_transport(
         runs: dict[tuple[str, int], list[tuple[float, float, float]]] = {}
         # Repeats outermost: a burst of load from elsewhere on the machine then
         # hits every case once instead of all the repeats of one case.
-        for _ in range(repeats):
-            for case in cases:
+        for repeat in range(repeats):
+            # every other repeat runs the cases backwards, so a drift in load favours none
+            for case in cases if repeat % 2 == 0 else cases[::-1]:
                 port = tcp_port if case == "tcp" else grpc_port
                 for n_clients in client_counts:
                     start_at = time.monotonic() + 1.0
@@ -422,6 +436,10 @@ def bench_transport(
                 "batches_s": round(statistics.median(m[1] for m in measured)),
                 "cpu_us_per_batch": round(statistics.median(m[2] for m in measured), 1),
                 "runs_gb_s": [round(m[0], 3) for m in measured],
+                # paired with the baseline run of the same repeat, seconds apart: steadier than
+                # a ratio of medians when the machine's load changes during the benchmark
+                "x_grpc_raw_paired": _paired(measured, runs.get(("grpc_raw", n_clients))),
+                "x_protobuf_paired": _paired(measured, runs.get(("protobuf", n_clients))),
             }
         return table
     finally:
@@ -480,16 +498,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "codec": bench_codec(200 if not args.quick else 20),
         "transport": transport,
     }
-    base = {c: transport[f"grpc_raw/{c}"]["gb_s"] for c in (1, 2)}
     print(
-        f"{'case':12} {'clients':>7} {'GB/s':>7} {'batches/s':>10} {'x grpc_raw':>10} {'CPU us/batch':>12}",
+        f"{'case':14} {'clients':>7} {'GB/s':>7} {'batches/s':>10} {'x grpc_raw':>10} {'x protobuf':>10} "
+        f"{'CPU us/batch':>12}",
         file=sys.stderr,
     )
     for key, row in transport.items():
         case, clients = key.split("/")
         print(
-            f"{case:12} {clients:>7} {row['gb_s']:7.3f} {row['batches_s']:10,} "
-            f"{row['gb_s'] / base[int(clients)]:10.2f} {row['cpu_us_per_batch']:12,.0f}",
+            f"{case:14} {clients:>7} {row['gb_s']:7.3f} {row['batches_s']:10,} "
+            f"{row['x_grpc_raw_paired']:10.2f} {row['x_protobuf_paired']:10.2f} "
+            f"{row['cpu_us_per_batch']:12,.0f}",
             file=sys.stderr,
         )
     c = results["codec"]
