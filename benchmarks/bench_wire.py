@@ -1,7 +1,7 @@
 """Batch transport on loopback: the two wire layouts beside bare gRPC and raw TCP.
 
 Every case streams the same production-shape batches (<= 49152 padded tokens,
-238-241 KiB a frame) from one server process to 1 and 2 client processes on
+225-241 KiB a frame) from one server process to 1 and 2 client processes on
 127.0.0.1 and reports the aggregate GB/s and batches/s (median of the
 repeats). The cases, in the order the README's table lists them:
 
@@ -485,7 +485,7 @@ def bench_codec(rounds: int) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.bench_wire", description=__doc__)
     parser.add_argument("--batches", type=int, default=3000, help="batches per client per run")
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--quick", action="store_true", help="a smoke run: 300 batches, 1 repeat")
     args = parser.parse_args(argv)
     batches, repeats = (300, 1) if args.quick else (args.batches, args.repeats)

@@ -133,6 +133,11 @@ def _wire_array(name: str, array: npt.ArrayLike, ndim: int) -> npt.NDArray[np.si
     return np.ascontiguousarray(arr, dtype=wire)
 
 
+def _raw(array: npt.NDArray[np.signedinteger]) -> memoryview:
+    """The bytes of a C-contiguous array, as a flat byte view (no copy, any byte order)."""
+    return array.reshape(-1).view(np.uint8).data
+
+
 def _payload_layout(rows: int, tokens: int) -> tuple[int, int, int, int, int]:
     """Offsets of input_ids, sample_ids, lengths, loss_mask and the payload size.
 
@@ -189,6 +194,10 @@ def encode_batch(
     _check_int("bucket", bucket, _U32)
     _check_int("rows", rows, _U32)
     _check_int("padded_len", padded_len, _U32)
+    if not isinstance(schedule_fingerprint, str):
+        raise WireFormatError(
+            f"schedule_fingerprint must be a str, got {type(schedule_fingerprint).__name__}"
+        )
     fingerprint = schedule_fingerprint.encode()
     if len(fingerprint) > MAX_FINGERPRINT_BYTES:
         raise WireFormatError(
@@ -222,11 +231,11 @@ def encode_batch(
             _PREFIX.pack(len(header)),
             header,
             _PADS[_align(head) - head],
-            ids.data.cast("B"),
+            _raw(ids),
             _PADS[sample_at - 4 * tokens],
-            samples.data.cast("B"),
-            lens.data.cast("B"),
-            mask.data.cast("B"),
+            _raw(samples),
+            _raw(lens),
+            _raw(mask),
         )
     )
 

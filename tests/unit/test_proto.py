@@ -182,6 +182,16 @@ def test_encode_takes_bool_mask_and_non_contiguous_arrays() -> None:
     np.testing.assert_array_equal(got.loss_mask, arrays["loss_mask"])
 
 
+def test_encode_writes_little_endian_whatever_the_input_byte_order() -> None:
+    arrays = make_arrays(3, 4, seed=5)
+    swapped = {name: value.astype(value.dtype.newbyteorder(">")) for name, value in arrays.items()}
+    frame = codec.encode_batch(epoch=0, step=0, rank=0, bucket=0, schedule_fingerprint="f", **swapped)
+    got = codec.decode_batch(frame)
+    for name in arrays:
+        np.testing.assert_array_equal(getattr(got, name), arrays[name], err_msg=f"{name} byte order")
+        assert getattr(got, name).dtype.str.startswith(("<", "|")), f"{name} is not little-endian"
+
+
 @given(
     budget=st.integers(1, 70_000),
     max_rows=st.integers(1, 128),
@@ -230,6 +240,7 @@ def test_max_frame_bytes_production_config() -> None:
         ({"epoch": 2**64}, "epoch must be an integer"),
         ({"step": True}, "step must be an integer"),
         ({"schedule_fingerprint": "f" * 65}, "schedule_fingerprint is 65 bytes"),
+        ({"schedule_fingerprint": 5}, "schedule_fingerprint must be a str"),
     ],
 )
 def test_encode_refuses_what_would_not_be_a_valid_frame(change: dict[str, Any], match: str) -> None:
