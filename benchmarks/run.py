@@ -1,8 +1,9 @@
 """Run every benchmark and print its figures beside their baselines.
 
-``python -m benchmarks.run`` (quick: 1M lengths) or ``--full`` (10M lengths,
-the sizes the issue's targets name). Results are JSON on stdout and a short
-table on stderr.
+``python -m benchmarks.run`` (quick: 1M lengths, serving a 0.4 GB dataset) or
+``--full`` (10M lengths, the sizes the issues' targets name; serving 1 GB and
+a 4.1 GB dataset for the server's memory; the wire-layout comparison). Results are JSON on stdout and a
+short table on stderr.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 import json
 import sys
 
-from benchmarks import bench_dataset, bench_schedule
+from benchmarks import bench_assemble, bench_dataset, bench_schedule, bench_serving, bench_wire
 
 
 def main(argv: list[str]) -> int:
@@ -18,7 +19,11 @@ def main(argv: list[str]) -> int:
     results = {
         "schedule": bench_schedule.main(full),
         "dataset": bench_dataset.bench_make_dataset(1_000_000 if full else 100_000),
+        "serving": bench_serving.main(full),
+        "assemble": bench_assemble.main(50_000 if full else 20_000),
     }
+    if full:  # the transport comparison behind the frame layout (about 7 minutes)
+        results["wire"] = bench_wire.main([])
     print(json.dumps(results, indent=2))
     build = results["schedule"]["build"]
     print(
@@ -43,6 +48,8 @@ def main(argv: list[str]) -> int:
             f"streak {case['above_mean_streak']} vs {case['random_above_mean_streak']}",
             file=sys.stderr,
         )
+    for line in bench_serving.summary(results["serving"]):
+        print(line, file=sys.stderr)
     return 0
 
 

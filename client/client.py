@@ -20,9 +20,9 @@ import socket
 import threading
 import time
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from types import TracebackType
-from typing import Any
+from typing import Any, cast
 
 import grpc
 import numpy as np
@@ -59,9 +59,18 @@ def _from_env(value: Any, name: str, default: Any, kind: type) -> Any:
 class _Stream:
     """One gRPC stream: a request queue the call reads, and a thread that reads frames into a queue."""
 
-    def __init__(self, stub: rpc.BatchServiceClient, open_request: pb.StreamRequest, depth: int) -> None:
+    def __init__(
+        self,
+        stub: rpc.BatchServiceClient,
+        open_request: pb.StreamRequest,
+        depth: int,
+        convert: Callable[[codec.DecodedBatch], Batch],
+    ) -> None:
         self.requests: queue.SimpleQueue[pb.StreamRequest | None] = queue.SimpleQueue()
         self.requests.put(open_request)
+        self.convert = convert
+        # decoded batches (or an end marker / an error), decoded on this stream's
+        # reader thread so next() only dequeues
         self.frames: queue.Queue[Any] = queue.Queue(maxsize=depth + 4)
         self.call = stub.stream(self._request_iter())
         self.thread = threading.Thread(target=self._read, name="ladle-client-reader", daemon=True)
@@ -77,7 +86,11 @@ class _Stream:
     def _read(self) -> None:
         try:
             for frame in self.call:
-                self.frames.put(frame)
+                decoded = codec.decode_frame(frame)
+                if isinstance(decoded, codec.DecodedBatch):
+                    self.frames.put((decoded, self.convert(decoded)))
+                else:
+                    self.frames.put(decoded)
             self.frames.put(_END)
         except grpc.RpcError as exc:
             self.frames.put(exc)
@@ -209,12 +222,12 @@ class BatchClient:
             if isinstance(item, codec.DecodedEpochEnd):
                 self._next = (int(item.epoch) + 1, 0)
                 return
-            batch = self._to_batch(item)
+            batch = item
             self._held = (batch.epoch, batch.step)
             self._next = (batch.epoch, batch.step + 1)
             yield batch
 
-    def _receive(self) -> codec.DecodedBatch | codec.DecodedEpochEnd:
+    def _receive(self) -> Batch | codec.DecodedEpochEnd:
         deadline = time.monotonic() + self.timeout
         backoff = _BACKOFF_FIRST
         while True:
@@ -227,11 +240,12 @@ class BatchClient:
                     f"no batch from {self.server} within {self.timeout:.0f}s "
                     f"(job {self.job!r}, rank {self.rank})"
                 ) from None
-            if isinstance(item, bytes):
-                decoded = codec.decode_frame(item)
-                if isinstance(decoded, codec.DecodedBatch):
-                    self._check_batch(decoded)
-                return decoded
+            if isinstance(item, tuple):
+                decoded, batch = item
+                self._check_batch(decoded)
+                return cast(Batch, batch)
+            if isinstance(item, codec.DecodedEpochEnd):
+                return item
             self._drop_stream()
             if item is _END:
                 error: BaseException = ServerUnavailableError(
@@ -315,7 +329,7 @@ class BatchClient:
             request.start.CopyFrom(pb.Position(epoch=self._next[0], step=self._next[1]))
         if self._fingerprint is not None:
             request.schedule_fingerprint = self._fingerprint
-        self._stream = _Stream(stub, pb.StreamRequest(open=request), self.prefetch)
+        self._stream = _Stream(stub, pb.StreamRequest(open=request), self.prefetch, self._to_batch)
         return self._stream
 
     def _drop_stream(self) -> None:
@@ -334,8 +348,7 @@ class BatchClient:
         held, self._held = self._held, None
         if self._stream is not None:
             through = pb.Position(epoch=held[0], step=held[1] + 1)
-            self._stream.send(pb.StreamRequest(ack=pb.Ack(through=through)))
-            self._stream.send(pb.StreamRequest(credit=pb.Credit(n=1)))
+            self._stream.send(pb.StreamRequest(ack=pb.Ack(through=through, credit=1)))
             self._acked = (held[0], held[1] + 1)
 
     # --- arrays ---

@@ -45,10 +45,12 @@ class Open(_message.Message):
     def __init__(self, job: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., start: _Optional[_Union[Position, _Mapping]] = ..., prefetch: _Optional[int] = ..., schedule_fingerprint: _Optional[str] = ..., client_id: _Optional[str] = ...) -> None: ...
 
 class Ack(_message.Message):
-    __slots__ = ("through",)
+    __slots__ = ("through", "credit")
     THROUGH_FIELD_NUMBER: _ClassVar[int]
+    CREDIT_FIELD_NUMBER: _ClassVar[int]
     through: Position
-    def __init__(self, through: _Optional[_Union[Position, _Mapping]] = ...) -> None: ...
+    credit: int
+    def __init__(self, through: _Optional[_Union[Position, _Mapping]] = ..., credit: _Optional[int] = ...) -> None: ...
 
 class Credit(_message.Message):
     __slots__ = ("n",)

@@ -15,6 +15,7 @@ Errors map once, from ``LadleError.kind`` to a gRPC status, with a
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -123,7 +124,7 @@ class BatchServicer:
     """Serves every job of one dataset and config; register with ``handler()``."""
 
     def __init__(
-        self, registry: JobRegistry, assembler: Assembler, *, max_prefetch: int = 64, workers: int = 2
+        self, registry: JobRegistry, assembler: Assembler, *, max_prefetch: int = 64, workers: int = 0
     ) -> None:
         self.registry = registry
         self.assembler = assembler
@@ -302,6 +303,9 @@ class BatchServicer:
                             )
                         if through > session.acked:
                             session.acked = through
+                        if request.ack.credit:
+                            session.credits += request.ack.credit
+                            session.cond.notify_all()
                     session.flush()
                 else:
                     raise StreamAbortedError(
@@ -326,9 +330,19 @@ class BatchServicer:
 
     def _send(self, session: _Session, context: Any) -> Iterator[bytes]:
         job = session.job
-        with Prefetcher(
-            self.assembler, self._positions(session), depth=min(4, session.credits + 1), workers=self.workers
-        ) as batches:
+        if self.workers > 0:
+            source: Any = Prefetcher(
+                self.assembler,
+                self._positions(session),
+                depth=min(4, session.credits + 1),
+                workers=self.workers,
+            )
+        else:  # assemble on the stream's own thread: no hand-off between threads per batch
+            source = contextlib.nullcontext(
+                (position, self.assembler.assemble(rows, padded_len))
+                for position, rows, padded_len in self._positions(session)
+            )
+        with source as batches:
             for position, buffers in batches:
                 with session.cond:
                     while session.credits <= 0 and session.failure is None:

@@ -59,6 +59,7 @@ class BatchServer:
         state: str | Path = DEFAULT_STATE,
         max_streams: int = 64,
         grace: float = 5.0,
+        assembly_threads: int = 0,
     ) -> None:
         if not 0 <= grpc_port <= 65535:
             raise ConfigError("grpc_port", f"must be in 0..65535, got {grpc_port}")
@@ -71,6 +72,9 @@ class BatchServer:
         self.state_path = Path(state)
         self.max_streams = max_streams
         self.grace = grace
+        if assembly_threads < 0:
+            raise ConfigError("assembly_threads", f"must be >= 0, got {assembly_threads}")
+        self.assembly_threads = assembly_threads
         self.port = 0
         self._server: Any = None
         self._store: EmbeddedStore | None = None
@@ -91,7 +95,7 @@ class BatchServer:
         from .schedule import build_schedule
 
         build_schedule(dataset.lengths, self.config, epoch=0, world_size=1)
-        self._servicer = BatchServicer(registry, Assembler(dataset))
+        self._servicer = BatchServicer(registry, Assembler(dataset), workers=self.assembly_threads)
         options = [*_KEEPALIVE, *rpc.message_options(self._servicer.max_frame_bytes)]
         # Every stream holds a thread for its life; the pool bounds open streams.
         self._server = grpc.server(
