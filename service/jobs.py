@@ -58,21 +58,44 @@ class Job:
         self.spec = JobSpec(name, dataset.fingerprint, config.fingerprint(), world_size)
         self.fingerprint = schedule_fingerprint(dataset.fingerprint, config.fingerprint(), world_size)
         self._schedules: OrderedDict[int, Schedule] = OrderedDict()
+        self._building: dict[int, threading.Event] = {}
         self._lock = threading.Lock()
 
     def schedule(self, epoch: int) -> Schedule:
-        """The schedule of ``epoch`` (built once, the two most recent kept)."""
+        """The schedule of ``epoch``, built once however many streams ask at the same time.
+
+        The three most recent epochs are kept (a slow rank may still be in the
+        previous one while the next is being prepared).
+        """
+        while True:
+            with self._lock:
+                sched = self._schedules.get(epoch)
+                if sched is not None:
+                    self._schedules.move_to_end(epoch)
+                    return sched
+                pending = self._building.get(epoch)
+                if pending is None:
+                    pending = self._building[epoch] = threading.Event()
+                    break
+            pending.wait()  # another stream is building it; then look again
+        try:
+            sched = build_schedule(self.dataset.lengths, self.config, epoch=epoch, world_size=self.world_size)
+            with self._lock:
+                self._schedules[epoch] = sched
+                while len(self._schedules) > 3:
+                    self._schedules.popitem(last=False)
+            return sched
+        finally:
+            with self._lock:
+                del self._building[epoch]
+            pending.set()
+
+    def warm(self, epoch: int) -> None:
+        """Build ``epoch``'s schedule in the background, so streams do not pause at the boundary."""
         with self._lock:
-            sched = self._schedules.get(epoch)
-            if sched is not None:
-                self._schedules.move_to_end(epoch)
-                return sched
-        sched = build_schedule(self.dataset.lengths, self.config, epoch=epoch, world_size=self.world_size)
-        with self._lock:
-            self._schedules[epoch] = sched
-            while len(self._schedules) > 2:
-                self._schedules.popitem(last=False)
-        return sched
+            if epoch in self._schedules or epoch in self._building:
+                return
+        threading.Thread(target=self.schedule, args=(epoch,), name=f"ladle-plan-{epoch}", daemon=True).start()
 
     def steps(self, epoch: int) -> int:
         return self.schedule(epoch).num_steps
@@ -87,6 +110,8 @@ class Job:
 
     def batch(self, position: Position, rank: int) -> BatchRef:
         sched = self.schedule(position.epoch)
+        if position.step == 0 or position.step == sched.num_steps // 2:
+            self.warm(position.epoch + 1)
         return BatchRef(
             epoch=position.epoch,
             step=position.step,

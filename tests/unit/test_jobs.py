@@ -1,0 +1,52 @@
+"""A job builds each epoch's schedule once, however many streams ask at once."""
+
+from __future__ import annotations
+
+import threading
+import time
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import pytest
+
+from ladle.service import jobs
+from ladle.service.schedule import ScheduleConfig, build_schedule
+from ladle.service.store.base import Position
+
+
+def make_job(monkeypatch: pytest.MonkeyPatch, calls: list[int]) -> jobs.Job:
+    def slow_build(lengths: Any, config: ScheduleConfig, *, epoch: int, world_size: int) -> Any:
+        calls.append(epoch)
+        time.sleep(0.2)
+        return build_schedule(lengths, config, epoch=epoch, world_size=world_size)
+
+    monkeypatch.setattr(jobs, "build_schedule", slow_build)
+    dataset = SimpleNamespace(lengths=np.arange(1, 400, dtype=np.int64) % 97 + 1, fingerprint="ds")
+    config = ScheduleConfig(max_seq_len=128, bucket_bounds=(0, 32, 129), token_budget=512)
+    return jobs.Job("j", dataset, config, 2, store=None)  # type: ignore[arg-type]
+
+
+def test_one_build_for_many_streams(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[int] = []
+    job = make_job(monkeypatch, calls)
+    results: list[Any] = []
+    threads = [threading.Thread(target=lambda: results.append(job.schedule(1))) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert calls == [1], f"epoch 1 was built {len(calls)} times"
+    assert all(r is results[0] for r in results)
+
+
+def test_the_next_epoch_is_prepared_ahead(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[int] = []
+    job = make_job(monkeypatch, calls)
+    job.batch(Position(0, 0), rank=0)
+    deadline = time.monotonic() + 10
+    while 1 not in calls and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert 1 in calls, "epoch 1 was not prepared while epoch 0 started"
+    job.schedule(1)
+    assert calls.count(1) == 1
