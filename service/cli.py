@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from collections.abc import Sequence
@@ -69,12 +68,6 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--state", default=".ladle/state.db", help="the embedded cursor store file")
     serve.add_argument("--max-streams", type=int, default=64, help="open trainer streams at most")
     serve.add_argument("--grace", type=float, default=5.0, help="seconds open streams get at shutdown")
-    serve.add_argument(
-        "--assembly-threads",
-        type=int,
-        default=int(os.environ.get("LADLE_ASSEMBLY_THREADS", "0")),
-        help="threads assembling batches ahead per stream (0: on the stream's own thread)",
-    )
     serve.add_argument("--ready-file", help="write host:port here once serving (for scripts and tests)")
     serve.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     _add_config_options(serve)
@@ -127,7 +120,6 @@ def _serve(args: argparse.Namespace) -> int:
         state=args.state,
         max_streams=args.max_streams,
         grace=args.grace,
-        assembly_threads=args.assembly_threads,
     )
     return serve_forever(server, ready_file=args.ready_file)
 

@@ -1,5 +1,9 @@
 """The gRPC face: ``ladle.v1.BatchService`` (Stream and Describe).
 
+The server runs on grpc's asyncio API: every stream is a coroutine on one
+event loop, so a batch crosses no thread on its way out (the synchronous
+server's thread hand-offs cost more CPU per batch than the batch itself).
+
 One ``Stream`` call serves one rank of one job: it validates the first
 request (``Open``), joins the job in the cursor store (a new fencing
 generation), positions the rank (the trainer's checkpoint, or the stored
@@ -15,11 +19,10 @@ Errors map once, from ``LadleError.kind`` to a gRPC status, with a
 
 from __future__ import annotations
 
-import contextlib
+import asyncio
 import logging
-import threading
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
@@ -27,7 +30,7 @@ import grpc
 from ladle.proto import codec, rpc
 from ladle.proto import ladle_pb2 as pb
 
-from .assemble import Assembler, Prefetcher
+from .assemble import Assembler
 from .errors import ConfigError, FencedError, JobNotFoundError, LadleError
 from .jobs import Job, JobRegistry
 from .store.base import Position
@@ -37,7 +40,6 @@ __all__ = ["ACK_FLUSH_SECONDS", "BatchServicer", "StreamAbortedError", "status_o
 log = logging.getLogger("ladle.server")
 
 ACK_FLUSH_SECONDS = 0.05
-_WAIT_SLICE = 0.25  # how often a waiting stream re-checks that it is still wanted
 
 _STATUS = {
     "invalid_argument": grpc.StatusCode.INVALID_ARGUMENT,
@@ -66,7 +68,7 @@ class StreamAbortedError(LadleError):
         super().__init__(message)
 
 
-def _abort(context: Any, exc: BaseException) -> None:
+async def _abort(context: Any, exc: BaseException) -> None:
     """End the call with the status of ``exc`` and a ``ladle.v1.Error`` trailer (never returns)."""
     code = status_of(exc)
     reason = getattr(exc, "reason", type(exc).__name__)
@@ -74,17 +76,17 @@ def _abort(context: Any, exc: BaseException) -> None:
     message = str(exc) if isinstance(exc, LadleError) else f"internal error: {type(exc).__name__}"
     error = pb.Error(code=code.name, reason=str(reason), message=message, field=str(field))
     context.set_trailing_metadata(rpc.error_trailer(error))
-    context.abort(code, message)
+    await context.abort(code, message)
 
 
 class _Session:
-    """The state one Stream shares between its sender and its request reader."""
+    """The state one Stream shares between its sender and its request reader (one event loop)."""
 
     def __init__(self, job: Job, rank: int, generation: int, start: Position, credits: int) -> None:
         self.job = job
         self.rank = rank
         self.generation = generation
-        self.cond = threading.Condition()
+        self.wake = asyncio.Event()
         self.credits = credits
         self.sent = start  # the position after the last batch sent
         self.acked = start
@@ -95,64 +97,54 @@ class _Session:
         self.replaced = False
 
     def fail(self, exc: BaseException) -> None:
-        with self.cond:
-            if self.failure is None:
-                self.failure = exc
-            self.cond.notify_all()
+        if self.failure is None:
+            self.failure = exc
+        self.wake.set()
 
     def flush(self, *, force: bool = False) -> None:
         """Write the acknowledged position to the store if it moved (at most every ACK_FLUSH_SECONDS)."""
-        with self.cond:
-            target = self.acked
-            if target <= self.stored or self.replaced:
-                return
-            now = time.monotonic()
-            if not force and now - self.last_flush < ACK_FLUSH_SECONDS:
-                return
-            self.last_flush = now
+        target = self.acked
+        if target <= self.stored or self.replaced:
+            return
+        now = time.monotonic()
+        if not force and now - self.last_flush < ACK_FLUSH_SECONDS:
+            return
+        self.last_flush = now
         try:
             self.job.store.advance(self.job.name, self.rank, self.generation, target)
         except FencedError as exc:
             self.fail(StreamAbortedError("failed_precondition", "fenced", str(exc)))
             return
-        with self.cond:
-            if self.stored < target:
-                self.stored = target
+        self.stored = max(self.stored, target)
 
 
 class BatchServicer:
-    """Serves every job of one dataset and config; register with ``handler()``."""
+    """Serves every job of one dataset and config; register with ``handler()`` on a grpc.aio server."""
 
-    def __init__(
-        self, registry: JobRegistry, assembler: Assembler, *, max_prefetch: int = 64, workers: int = 0
-    ) -> None:
+    def __init__(self, registry: JobRegistry, assembler: Assembler, *, max_prefetch: int = 64) -> None:
         self.registry = registry
         self.assembler = assembler
         self.max_prefetch = max_prefetch
-        self.workers = workers
         self.max_frame_bytes = codec.max_frame_bytes(
             registry.config.token_budget, registry.config.max_batch_size
         )
         self._active: dict[tuple[str, int], _Session] = {}
-        self._active_lock = threading.Lock()
-        self._stopping = threading.Event()
+        self._stopping = False
 
     def handler(self) -> Any:
-        return rpc.batch_service_handler(self.stream, self.describe)
+        return rpc.batch_service_handler(self.stream, self.describe)  # type: ignore[arg-type]
 
     def stop_streams(self) -> None:
-        """Ask every open stream to end with UNAVAILABLE (the server is going away)."""
-        self._stopping.set()
-        with self._active_lock:
-            sessions = list(self._active.values())
-        for session in sessions:
+        """Ask every open stream to end with UNAVAILABLE (call on the server's event loop)."""
+        self._stopping = True
+        for session in list(self._active.values()):
             session.fail(
                 StreamAbortedError("unavailable", "shutting_down", "the batch server is shutting down")
             )
 
     # --- Describe ---
 
-    def describe(self, request: pb.DescribeRequest, context: Any) -> pb.JobInfo:
+    async def describe(self, request: pb.DescribeRequest, context: Any) -> pb.JobInfo:
         try:
             job = self.registry.get(request.job)
             if job is None:
@@ -160,7 +152,7 @@ class BatchServicer:
                 job = self.registry.open(request.job, state.spec.world_size)
             state = job.state()
             epoch = min(r.position.epoch for r in state.ranks) if state.ranks else 0
-            sched = job.schedule(epoch)
+            sched = await asyncio.to_thread(job.schedule, epoch)
             return pb.JobInfo(
                 job=job.name,
                 world_size=job.world_size,
@@ -174,24 +166,27 @@ class BatchServicer:
                 max_batch_size=self.registry.config.max_batch_size,
                 max_frame_bytes=self.max_frame_bytes,
             )
-        except JobNotFoundError as exc:
-            _abort(context, exc)
-        except LadleError as exc:
-            _abort(context, exc)
+        except (JobNotFoundError, LadleError) as exc:
+            await _abort(context, exc)
         raise AssertionError("unreachable")
 
     # --- Stream ---
 
-    def stream(self, requests: Iterator[pb.StreamRequest], context: Any) -> Iterator[bytes]:
+    async def stream(self, requests: AsyncIterator[pb.StreamRequest], context: Any) -> AsyncIterator[bytes]:
         try:
-            session = self._open(requests, context)
+            try:
+                first = await requests.__anext__()
+            except StopAsyncIteration:
+                raise StreamAbortedError(
+                    "invalid_argument", "no_open", "the stream closed before its Open"
+                ) from None
+            session = await self._open(first)
         except LadleError as exc:
-            _abort(context, exc)
+            await _abort(context, exc)
             return
         key = (session.job.name, session.rank)
-        with self._active_lock:
-            old = self._active.get(key)
-            self._active[key] = session
+        old = self._active.get(key)
+        self._active[key] = session
         if old is not None:
             old.replaced = True
             old.fail(
@@ -202,29 +197,21 @@ class BatchServicer:
                     "newer trainer process (a new Open for the same job and rank)",
                 )
             )
-        reader = threading.Thread(
-            target=self._read, args=(requests, session), name=f"ladle-acks-{session.rank}", daemon=True
-        )
-        reader.start()
+        reader = asyncio.create_task(self._read(requests, session))
         try:
-            yield from self._send(session, context)
+            async for frame in self._send(session):
+                yield frame
         except LadleError as exc:
             session.fail(exc)
         finally:
+            reader.cancel()
             session.flush(force=True)
-            with self._active_lock:
-                if self._active.get(key) is session:
-                    del self._active[key]
+            if self._active.get(key) is session:
+                del self._active[key]
         if session.failure is not None:
-            _abort(context, session.failure)
+            await _abort(context, session.failure)
 
-    def _open(self, requests: Iterator[pb.StreamRequest], context: Any) -> _Session:
-        try:
-            first = next(requests)
-        except StopIteration:
-            raise StreamAbortedError(
-                "invalid_argument", "no_open", "the stream closed before its Open"
-            ) from None
+    async def _open(self, first: pb.StreamRequest) -> _Session:
         if first.WhichOneof("kind") != "open":
             raise StreamAbortedError("invalid_argument", "no_open", "the first request must be Open", "open")
         o = first.open
@@ -249,7 +236,7 @@ class BatchServicer:
                 f"Open.prefetch={o.prefetch} exceeds this server's limit of {self.max_prefetch}",
                 "open.prefetch",
             )
-        if self._stopping.is_set():
+        if self._stopping:
             raise StreamAbortedError("unavailable", "shutting_down", "the batch server is shutting down")
         job = self.registry.open(o.job, o.world_size)
         job.check_rank(o.rank, o.world_size)
@@ -263,10 +250,10 @@ class BatchServicer:
             )
         joined = job.join(o.rank)
         if o.HasField("start"):
-            start = job.normalise(Position(o.start.epoch, o.start.step))
+            start = await asyncio.to_thread(job.normalise, Position(o.start.epoch, o.start.step))
             joined = job.store.rewind(job.name, o.rank, joined.generation, start)
         else:
-            start = job.normalise(joined.position)
+            start = await asyncio.to_thread(job.normalise, joined.position)
         log.info(
             "stream open: job=%s rank=%d/%d generation=%d start=%s client=%s",
             job.name,
@@ -280,32 +267,29 @@ class BatchServicer:
         session.stored = joined.position
         return session
 
-    def _read(self, requests: Iterator[pb.StreamRequest], session: _Session) -> None:
+    async def _read(self, requests: AsyncIterator[pb.StreamRequest], session: _Session) -> None:
         """Apply the client's Acks and Credits until its half of the stream ends."""
         try:
-            for request in requests:
+            async for request in requests:
                 kind = request.WhichOneof("kind")
                 if kind == "credit":
-                    with session.cond:
-                        session.credits += request.credit.n
-                        session.cond.notify_all()
+                    session.credits += request.credit.n
+                    session.wake.set()
                 elif kind == "ack":
                     through = session.job.normalise(
                         Position(request.ack.through.epoch, request.ack.through.step)
                     )
-                    with session.cond:
-                        if through > session.sent:
-                            raise StreamAbortedError(
-                                "invalid_argument",
-                                "bad_ack",
-                                f"Ack through {through} is beyond the last batch sent ({session.sent})",
-                                "ack",
-                            )
-                        if through > session.acked:
-                            session.acked = through
-                        if request.ack.credit:
-                            session.credits += request.ack.credit
-                            session.cond.notify_all()
+                    if through > session.sent:
+                        raise StreamAbortedError(
+                            "invalid_argument",
+                            "bad_ack",
+                            f"Ack through {through} is beyond the last batch sent ({session.sent})",
+                            "ack",
+                        )
+                    session.acked = max(session.acked, through)
+                    if request.ack.credit:
+                        session.credits += request.ack.credit
+                        session.wake.set()
                     session.flush()
                 else:
                     raise StreamAbortedError(
@@ -313,66 +297,51 @@ class BatchServicer:
                     )
         except StreamAbortedError as exc:
             session.fail(exc)
+        except asyncio.CancelledError:
+            raise
         except Exception as exc:  # the call ended (cancelled, deadline) while reading
-            if not isinstance(exc, grpc.RpcError):
+            if not isinstance(exc, grpc.RpcError | grpc.aio.AioRpcError):
                 log.exception("request reader failed")
         finally:
-            with session.cond:
-                session.requests_done = True
-                session.cond.notify_all()
+            session.requests_done = True
+            session.wake.set()
 
-    def _positions(self, session: _Session) -> Iterator[tuple[Position, Any, int]]:
+    async def _send(self, session: _Session) -> AsyncIterator[bytes]:
+        job = session.job
         position = session.sent
         while True:
-            ref = session.job.batch(position, session.rank)
-            yield position, ref.rows, ref.padded_len
-            position = session.job.next_position(position)
-
-    def _send(self, session: _Session, context: Any) -> Iterator[bytes]:
-        job = session.job
-        if self.workers > 0:
-            source: Any = Prefetcher(
-                self.assembler,
-                self._positions(session),
-                depth=min(4, session.credits + 1),
-                workers=self.workers,
-            )
-        else:  # assemble on the stream's own thread: no hand-off between threads per batch
-            source = contextlib.nullcontext(
-                (position, self.assembler.assemble(rows, padded_len))
-                for position, rows, padded_len in self._positions(session)
-            )
-        with source as batches:
-            for position, buffers in batches:
-                with session.cond:
-                    while session.credits <= 0 and session.failure is None:
-                        if session.requests_done or not context.is_active():
-                            return
-                        session.cond.wait(_WAIT_SLICE)
-                    if session.failure is not None:
-                        buffers.release()
-                        return
-                    session.credits -= 1
-                sched = job.schedule(position.epoch)
-                try:
-                    frame = codec.encode_batch(
-                        epoch=position.epoch,
-                        step=position.step,
-                        rank=session.rank,
-                        bucket=sched.bucket(position.step, session.rank),
-                        schedule_fingerprint=job.fingerprint,
-                        input_ids=buffers.input_ids,
-                        loss_mask=buffers.loss_mask,
-                        lengths=buffers.lengths,
-                        sample_ids=buffers.sample_ids,
-                    )
-                finally:
-                    buffers.release()
-                nxt = job.next_position(position)
-                with session.cond:
-                    session.sent = nxt
-                yield frame
-                if nxt.epoch != position.epoch:
-                    yield codec.encode_epoch_end(position.epoch, sched.num_steps)
-                if not context.is_active():
+            while session.credits <= 0 and session.failure is None:
+                if session.requests_done:
                     return
+                session.wake.clear()
+                await session.wake.wait()
+            if session.failure is not None:
+                return
+            session.credits -= 1
+            if not job.has_schedule(position.epoch):  # building one takes a while: off the loop
+                await asyncio.to_thread(job.schedule, position.epoch)
+            ref = job.batch(position, session.rank)
+            buffers = self.assembler.assemble(ref.rows, ref.padded_len)
+            try:
+                frame = codec.encode_batch(
+                    epoch=position.epoch,
+                    step=position.step,
+                    rank=session.rank,
+                    bucket=ref.bucket,
+                    schedule_fingerprint=job.fingerprint,
+                    input_ids=buffers.input_ids,
+                    loss_mask=buffers.loss_mask,
+                    lengths=buffers.lengths,
+                    sample_ids=buffers.sample_ids,
+                )
+            finally:
+                buffers.release()
+            if position.step + 1 < ref.steps_in_epoch:
+                nxt = Position(position.epoch, position.step + 1)
+            else:
+                nxt = Position(position.epoch + 1, 0)
+            session.sent = nxt
+            yield frame
+            if nxt.epoch != position.epoch:
+                yield codec.encode_epoch_end(position.epoch, ref.steps_in_epoch)
+            position = nxt

@@ -90,6 +90,10 @@ class Job:
                 del self._building[epoch]
             pending.set()
 
+    def has_schedule(self, epoch: int) -> bool:
+        with self._lock:
+            return epoch in self._schedules
+
     def warm(self, epoch: int) -> None:
         """Build ``epoch``'s schedule in the background, so streams do not pause at the boundary."""
         with self._lock:

@@ -9,10 +9,10 @@ for ``ladle serve``.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import signal
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import FrameType, TracebackType
 from typing import Any
@@ -59,7 +59,6 @@ class BatchServer:
         state: str | Path = DEFAULT_STATE,
         max_streams: int = 64,
         grace: float = 5.0,
-        assembly_threads: int = 0,
     ) -> None:
         if not 0 <= grpc_port <= 65535:
             raise ConfigError("grpc_port", f"must be in 0..65535, got {grpc_port}")
@@ -72,14 +71,13 @@ class BatchServer:
         self.state_path = Path(state)
         self.max_streams = max_streams
         self.grace = grace
-        if assembly_threads < 0:
-            raise ConfigError("assembly_threads", f"must be >= 0, got {assembly_threads}")
-        self.assembly_threads = assembly_threads
         self.port = 0
         self._server: Any = None
         self._store: EmbeddedStore | None = None
         self._servicer: BatchServicer | None = None
         self._health: Any = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._loop_thread: threading.Thread | None = None
         self._stopped = threading.Event()
 
     @property
@@ -95,37 +93,53 @@ class BatchServer:
         from .schedule import build_schedule
 
         build_schedule(dataset.lengths, self.config, epoch=0, world_size=1)
-        self._servicer = BatchServicer(registry, Assembler(dataset), workers=self.assembly_threads)
-        options = [*_KEEPALIVE, *rpc.message_options(self._servicer.max_frame_bytes)]
-        # Every stream holds a thread for its life; the pool bounds open streams.
-        self._server = grpc.server(
-            ThreadPoolExecutor(max_workers=self.max_streams + 4, thread_name_prefix="ladle-grpc"),
-            options=options,
-            maximum_concurrent_rpcs=self.max_streams,
+        self._servicer = BatchServicer(registry, Assembler(dataset))
+        # The asyncio server runs on its own event loop thread.
+        self._loop = asyncio.new_event_loop()
+        self._loop_thread = threading.Thread(
+            target=self._loop.run_forever, name="ladle-grpc-loop", daemon=True
         )
+        self._loop_thread.start()
+        asyncio.run_coroutine_threadsafe(self._start(), self._loop).result()
+        log.info("serving %s on %s (state %s)", self.dataset_path, self.address, self.state_path)
+        return self
+
+    async def _start(self) -> None:
+        assert self._servicer is not None
+        options = [*_KEEPALIVE, *rpc.message_options(self._servicer.max_frame_bytes)]
+        self._server = grpc.aio.server(options=options, maximum_concurrent_rpcs=self.max_streams)
         self._server.add_generic_rpc_handlers((self._servicer.handler(),))
-        self._health = health.HealthServicer()
+        self._health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
         self.port = self._server.add_insecure_port(f"{self.host}:{self.requested_port}")
         if self.port == 0:
             raise ConfigError("grpc_port", f"cannot listen on {self.host}:{self.requested_port}")
-        self._server.start()
-        self._health.set("", health_pb2.HealthCheckResponse.SERVING)
-        self._health.set(rpc.SERVICE, health_pb2.HealthCheckResponse.SERVING)
-        log.info("serving %s on %s (state %s)", self.dataset_path, self.address, self.state_path)
-        return self
+        await self._server.start()
+        await self._health.set("", health_pb2.HealthCheckResponse.SERVING)
+        await self._health.set(rpc.SERVICE, health_pb2.HealthCheckResponse.SERVING)
+
+    async def _stop(self, grace: float) -> None:
+        if self._health is not None:
+            await self._health.enter_graceful_shutdown()
+        if self._servicer is not None:
+            self._servicer.stop_streams()
+        if self._server is not None:
+            await self._server.stop(grace)
 
     def stop(self, grace: float | None = None) -> None:
         """Stop accepting calls, end open streams with UNAVAILABLE within ``grace`` seconds."""
         if self._stopped.is_set():
             return
         self._stopped.set()
-        if self._health is not None:
-            self._health.enter_graceful_shutdown()
-        if self._servicer is not None:
-            self._servicer.stop_streams()
-        if self._server is not None:
-            self._server.stop(self.grace if grace is None else grace).wait()
+        if self._loop is not None:
+            timeout = (self.grace if grace is None else grace) + 10
+            asyncio.run_coroutine_threadsafe(
+                self._stop(self.grace if grace is None else grace), self._loop
+            ).result(timeout)
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            if self._loop_thread is not None:
+                self._loop_thread.join(timeout=10)
+            self._loop.close()
         if self._store is not None:
             self._store.close()
 
