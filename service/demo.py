@@ -25,7 +25,7 @@ import numpy as np
 
 from .dataset import open_dataset
 from .schedule import ScheduleConfig, build_schedule
-from .schedule.stats import quality
+from .schedule.stats import longest_runs, quality
 
 __all__ = ["run_demo"]
 
@@ -164,16 +164,6 @@ def _run_trainers(address: str, world: int, sched: Any, lengths: np.ndarray, con
     return _summary(results, world, sched, lengths, config, elapsed)
 
 
-def _longest_runs(buckets: np.ndarray, k: int) -> np.ndarray:
-    out = np.zeros(k, dtype=np.int64)
-    if len(buckets) == 0:
-        return out
-    brk = np.flatnonzero(np.diff(buckets) != 0) + 1
-    starts, ends = np.r_[0, brk], np.r_[brk, len(buckets)]
-    np.maximum.at(out, buckets[starts], ends - starts)
-    return out
-
-
 def _summary(
     results: dict[int, tuple[Any, ...]],
     world: int,
@@ -187,7 +177,7 @@ def _summary(
     real = sum(int(results[r][3]) for r in range(world))
     padded = sum(int(results[r][4]) for r in range(world))
     k = sched.num_buckets
-    runs = np.max([_longest_runs(results[r][2], k) for r in range(world)], axis=0)
+    runs = np.max([longest_runs(results[r][2], k) for r in range(world)], axis=0)
     naive = build_schedule(lengths, config.replace(interleave="random"), epoch=0, world_size=world)
     unique = len(np.unique(ids))
     expected = len(lengths) - len(sched.dropped)

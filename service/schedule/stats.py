@@ -33,6 +33,7 @@ __all__ = [
     "LossFigures",
     "Quality",
     "bucket_table",
+    "longest_runs",
     "loss_levels",
     "quality",
     "simulate_loss",
@@ -118,6 +119,13 @@ def _runs_by_column(grid: I64, num_buckets: int) -> I64:
     ends = np.r_[brk, len(seq)]
     np.maximum.at(out, (col[starts], seq[starts]), ends - starts)
     return out
+
+
+def longest_runs(seq: npt.ArrayLike, num_buckets: int) -> I64:
+    """Longest run of each bucket in one stream of bucket ids."""
+    arr = np.asarray(seq, dtype=np.int64)
+    runs: I64 = _runs_by_column(arr.reshape(-1, 1), num_buckets)[0]
+    return runs
 
 
 def _share_deviation(onehot_cum: F64, totals: F64, length: int) -> float:

@@ -8,16 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from ladle.service.schedule.interleave import interleave_1d, interleave_grid, run_lower_bound
-
-
-def longest_runs(seq: np.ndarray, k: int) -> np.ndarray:
-    out = np.zeros(k, dtype=np.int64)
-    if len(seq) == 0:
-        return out
-    brk = np.flatnonzero(np.diff(seq) != 0) + 1
-    starts, ends = np.r_[0, brk], np.r_[brk, len(seq)]
-    np.maximum.at(out, seq[starts], ends - starts)
-    return out
+from ladle.service.schedule.stats import longest_runs
 
 
 def share_deviation(seq: np.ndarray, k: int) -> float:
