@@ -41,7 +41,11 @@ STATE_VERSION = 1
 _STATE_KEYS = ("version", "job", "rank", "world_size", "epoch", "step", "schedule_fingerprint")
 _RECEIVE_LIMIT = 256 << 20  # far above any batch (a 49152-token batch frame is ~250 KiB)
 _BACKOFF_FIRST, _BACKOFF_MAX = 0.05, 2.0
+# An acknowledgement reaches the server at most this long after the trainer
+# asked for the next batch (sooner when half the prefetch window is waiting).
+ACK_DELAY = 0.005
 _END = object()
+_TICK: Any = object()  # wakes the request thread so it polls for a grouped acknowledgement
 
 
 def _from_env(value: Any, name: str, default: Any, kind: type) -> Any:
@@ -57,7 +61,16 @@ def _from_env(value: Any, name: str, default: Any, kind: type) -> Any:
 
 
 class _Stream:
-    """One gRPC stream: a request queue the call reads, and a thread that reads frames into a queue."""
+    """One gRPC stream: acknowledgements going up, decoded batches coming down.
+
+    Acknowledgements (each carrying the consumed batches' credit) are grouped
+    when the trainer consumes faster than one batch per ``ACK_DELAY``: each
+    upstream message wakes a thread on both sides, which costs more CPU than a
+    batch itself when nothing else runs. A group is sent when it holds half
+    the window, when ``ACK_DELAY`` has passed since the last message (checked
+    by the request thread, so an ack is never later than that), and at once
+    on ``flush`` (``state_dict``, ``close``).
+    """
 
     def __init__(
         self,
@@ -66,9 +79,14 @@ class _Stream:
         depth: int,
         convert: Callable[[codec.DecodedBatch], Batch],
     ) -> None:
-        self.requests: queue.SimpleQueue[pb.StreamRequest | None] = queue.SimpleQueue()
+        self.requests: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self.requests.put(open_request)
         self.convert = convert
+        self.group = max(1, depth // 2)
+        self._lock = threading.Lock()
+        self._through: tuple[int, int] | None = None
+        self._credit = 0
+        self._last_sent = time.monotonic()
         # decoded batches (or an end marker / an error), decoded on this stream's
         # reader thread so next() only dequeues
         self.frames: queue.Queue[Any] = queue.Queue(maxsize=depth + 4)
@@ -76,12 +94,63 @@ class _Stream:
         self.thread = threading.Thread(target=self._read, name="ladle-client-reader", daemon=True)
         self.thread.start()
 
+    def _take_ack(self) -> pb.StreamRequest | None:
+        """The pending acknowledgement as a request (and clear it), or None; hold the lock."""
+        if self._through is None:
+            return None
+        epoch, step = self._through
+        request = pb.StreamRequest(
+            ack=pb.Ack(through=pb.Position(epoch=epoch, step=step), credit=self._credit)
+        )
+        self._through = None
+        self._credit = 0
+        self._last_sent = time.monotonic()
+        return request
+
     def _request_iter(self) -> Iterator[pb.StreamRequest]:
         while True:
-            item = self.requests.get()
+            with self._lock:
+                pending = self._through is not None
+            try:
+                # poll only while an acknowledgement waits; otherwise sleep until a request
+                item = self.requests.get(timeout=ACK_DELAY if pending else None)
+            except queue.Empty:
+                with self._lock:
+                    due = time.monotonic() - self._last_sent >= ACK_DELAY
+                    late = self._take_ack() if due else None
+                if late is not None:
+                    yield late
+                continue
             if item is None:
+                with self._lock:
+                    last = self._take_ack()
+                if last is not None:
+                    yield last
                 return
+            if item is _TICK:
+                continue
             yield item
+
+    def ack(self, through: tuple[int, int]) -> None:
+        """The trainer consumed everything before ``through``: one batch's credit back."""
+        with self._lock:
+            self._through = through
+            self._credit += 1
+            now = time.monotonic()
+            if self._credit < self.group and now - self._last_sent < ACK_DELAY:
+                if self._credit == 1:  # the request thread may be asleep: make it start polling
+                    self.requests.put(_TICK)
+                return
+            request = self._take_ack()
+        if request is not None:
+            self.requests.put(request)
+
+    def flush(self) -> None:
+        """Send the pending acknowledgement now."""
+        with self._lock:
+            request = self._take_ack()
+        if request is not None:
+            self.requests.put(request)
 
     def _read(self) -> None:
         try:
@@ -167,6 +236,8 @@ class BatchClient:
     def state_dict(self) -> dict[str, Any]:
         """The rank's position (a few integers) and the schedule fingerprint; consumes the held batch."""
         self._consume_held()
+        if self._stream is not None:
+            self._stream.flush()
         epoch, step = self._next if self._next is not None else (0, 0)
         return {
             "version": STATE_VERSION,
@@ -347,8 +418,7 @@ class BatchClient:
             return
         held, self._held = self._held, None
         if self._stream is not None:
-            through = pb.Position(epoch=held[0], step=held[1] + 1)
-            self._stream.send(pb.StreamRequest(ack=pb.Ack(through=through, credit=1)))
+            self._stream.ack((held[0], held[1] + 1))
             self._acked = (held[0], held[1] + 1)
 
     # --- arrays ---
@@ -382,8 +452,7 @@ class BatchClient:
             return
         self._consume_held()
         if self._stream is not None:
-            self._stream.send(pb.StreamRequest(credit=pb.Credit(n=0)))
-            time.sleep(0)  # let the request thread hand the last ack to gRPC
+            self._stream.flush()
         self._closed = True
         stream, self._stream = self._stream, None
         if stream is not None:

@@ -261,3 +261,73 @@ def test_sigterm_exits_zero(server_factory: Factory) -> None:
     with BatchClient(0, 1, server.address, "term", timeout=30) as client:
         consume(client, limit=2)
     assert server.stop() == 0
+
+
+_DYING_TRAINER = """
+import os, sys, time
+from ladle.client import BatchClient
+client = BatchClient(0, 1, sys.argv[1], sys.argv[2], timeout=30)
+it = iter(client)
+for _ in range(int(sys.argv[3])):
+    batch = next(it)
+print(batch.step, flush=True)
+time.sleep(0.3)  # longer than the acknowledgement delay
+os._exit(1)  # dies holding its last batch: no close, no state_dict
+"""
+
+
+def test_a_trainer_that_dies_gets_its_held_batch_again(server_factory: Factory, small_dataset: Path) -> None:
+    import subprocess
+    import sys
+
+    server = server_factory()
+    out = subprocess.run(
+        [sys.executable, "-c", _DYING_TRAINER, server.address, "dies", "6"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    held = int(out.stdout.split()[-1])
+    assert held == 5, out.stderr
+    with BatchClient(0, 1, server.address, "dies", timeout=30) as client:  # no checkpoint: the store cursor
+        rest = consume(client)
+    assert rest[0]["step"] == held, "the batch held when the trainer died was not sent again"
+    check_rank_stream(
+        small_dataset, reference(small_dataset, 1), 0, consume_prefix(small_dataset, held) + rest
+    )
+
+
+def consume_prefix(dataset: Path, steps: int) -> list[dict[str, Any]]:
+    """Placeholders for the steps a dead trainer consumed, so the stream check sees a whole epoch."""
+    sched = reference(dataset, 1)
+    table = open_dataset(dataset).table
+    out = []
+    for step in range(steps):
+        rows = sched.samples(step, 0)
+        width = sched.padded_len(step, 0)
+        ids = np.zeros((len(rows), width), np.int32)
+        mask = np.zeros((len(rows), width), np.int8)
+        att = np.zeros((len(rows), width), np.int8)
+        lengths = np.zeros(len(rows), np.int32)
+        for i, (row_ids, row_mask) in enumerate(
+            zip(
+                table.column("input_ids").take(rows).to_pylist(),
+                table.column("loss_mask").take(rows).to_pylist(),
+                strict=True,
+            )
+        ):
+            n = min(len(row_ids), width)
+            ids[i, :n], mask[i, :n], att[i, :n], lengths[i] = row_ids[:n], row_mask[:n], 1, n
+        out.append(
+            {
+                "epoch": 0,
+                "step": step,
+                "bucket": sched.bucket(step, 0),
+                "sample_ids": rows,
+                "input_ids": ids,
+                "loss_mask": mask,
+                "attention_mask": att,
+                "lengths": lengths,
+            }
+        )
+    return out
