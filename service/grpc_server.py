@@ -180,7 +180,8 @@ class BatchServicer:
                 raise StreamAbortedError(
                     "invalid_argument", "no_open", "the stream closed before its Open"
                 ) from None
-            session = await self._open(first)
+            # store calls may wait on a lock held by another process: keep them off the event loop
+            session = await asyncio.to_thread(self._open, first)
         except LadleError as exc:
             await _abort(context, exc)
             return
@@ -211,7 +212,7 @@ class BatchServicer:
         if session.failure is not None:
             await _abort(context, session.failure)
 
-    async def _open(self, first: pb.StreamRequest) -> _Session:
+    def _open(self, first: pb.StreamRequest) -> _Session:
         if first.WhichOneof("kind") != "open":
             raise StreamAbortedError("invalid_argument", "no_open", "the first request must be Open", "open")
         o = first.open
@@ -250,10 +251,10 @@ class BatchServicer:
             )
         joined = job.join(o.rank)
         if o.HasField("start"):
-            start = await asyncio.to_thread(job.normalise, Position(o.start.epoch, o.start.step))
+            start = job.normalise(Position(o.start.epoch, o.start.step))
             joined = job.store.rewind(job.name, o.rank, joined.generation, start)
         else:
-            start = await asyncio.to_thread(job.normalise, joined.position)
+            start = job.normalise(joined.position)
         log.info(
             "stream open: job=%s rank=%d/%d generation=%d start=%s client=%s",
             job.name,
