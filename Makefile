@@ -23,7 +23,7 @@ setup: $(STAMP)
 # processes reading one epoch through BatchClient, with the exact-once check.
 demo: setup
 	test -d $(SAMPLE) || $(BIN)/ladle make-dataset $(SAMPLE) --rows $(DEMO_ROWS) --seed 0
-	$(BIN)/ladle plan $(SAMPLE) --world-size 4 --compare random --simulate-loss
+	$(BIN)/ladle plan $(SAMPLE) --world-size 8 --compare random --simulate-loss
 	$(BIN)/ladle demo --dataset $(SAMPLE) --world-size 4
 
 lint: setup
