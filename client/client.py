@@ -166,9 +166,6 @@ class _Stream:
         except Exception as exc:  # pragma: no cover - defensive: surface anything to the trainer
             self.frames.put(exc)
 
-    def send(self, request: pb.StreamRequest) -> None:
-        self.requests.put(request)
-
     def close(self) -> None:
         self.requests.put(None)
         self.call.cancel()
@@ -226,7 +223,6 @@ class BatchClient:
         # batch handed out but not yet consumed, and what was last acknowledged.
         self._next: tuple[int, int] | None = None
         self._held: tuple[int, int] | None = None
-        self._acked: tuple[int, int] | None = None
         self._fingerprint: str | None = None
         self._closed = False
         self.reconnects = 0
@@ -271,7 +267,6 @@ class BatchClient:
         self._drop_stream()
         self._next = (int(state["epoch"]), int(state["step"]))
         self._held = None
-        self._acked = None
         self._fingerprint = fingerprint
 
     @property
@@ -419,7 +414,6 @@ class BatchClient:
         held, self._held = self._held, None
         if self._stream is not None:
             self._stream.ack((held[0], held[1] + 1))
-            self._acked = (held[0], held[1] + 1)
 
     # --- arrays ---
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from .batch import Batch
@@ -53,11 +52,3 @@ class BatchDataset(IterableDataset[Batch]):
     def close(self) -> None:
         if self._client is not None:
             self._client.close()
-
-
-def collate_identity(batch: Batch) -> Batch:
-    """The collate function to pass when a DataLoader insists on one (the batch is already made)."""
-    return batch
-
-
-_ = torch  # the module needs torch; importing it here fails early and clearly without it

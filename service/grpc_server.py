@@ -337,10 +337,7 @@ class BatchServicer:
                 )
             finally:
                 buffers.release()
-            if position.step + 1 < ref.steps_in_epoch:
-                nxt = Position(position.epoch, position.step + 1)
-            else:
-                nxt = Position(position.epoch + 1, 0)
+            nxt = ref.next
             session.sent = nxt
             yield frame
             if nxt.epoch != position.epoch:

@@ -43,6 +43,13 @@ class BatchRef:
     padded_len: int
     steps_in_epoch: int
 
+    @property
+    def next(self) -> Position:
+        """The position after this batch (step 0 of the next epoch after the last step)."""
+        if self.step + 1 < self.steps_in_epoch:
+            return Position(self.epoch, self.step + 1)
+        return Position(self.epoch + 1, 0)
+
 
 class Job:
     """One job's schedules and cursor operations (thread-safe)."""
@@ -125,9 +132,6 @@ class Job:
             padded_len=sched.padded_len(position.step, rank),
             steps_in_epoch=sched.num_steps,
         )
-
-    def next_position(self, position: Position) -> Position:
-        return self.normalise(Position(position.epoch, position.step + 1))
 
     def check_rank(self, rank: int, world_size: int) -> None:
         """Refuse a rank outside the job or a world size other than the job's."""
