@@ -11,7 +11,9 @@ never checks a position against an epoch's length; the jobs layer does.
 from __future__ import annotations
 
 import abc
+import json
 import re
+import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -37,10 +39,15 @@ __all__ = [
     "JobState",
     "Position",
     "RankState",
+    "Resize",
     "check_forward",
     "check_generation",
     "check_identity",
+    "new_incarnation",
+    "plan_from_json",
+    "plan_to_json",
     "rank_outside",
+    "resize_start",
     "validate_job_name",
 ]
 
@@ -131,17 +138,67 @@ class RankState:
 
 
 @dataclass(frozen=True, slots=True)
+class Resize:
+    """One change of a job's world size: where every rank of the old world stood when it happened.
+
+    ``world_size`` is the size before the change (``len(cut) == world_size``);
+    the size after it is the next ``Resize``'s ``world_size``, or the job's
+    current one. The jobs layer re-plans the rest of each epoch the cut runs
+    through (PRODUCT.md guarantee 7); the store only records it.
+    """
+
+    world_size: int
+    cut: tuple[Position, ...]
+
+    def __post_init__(self) -> None:
+        _check_int("world_size", self.world_size, 1, MAX_WORLD_SIZE)
+        if len(self.cut) != self.world_size or not all(isinstance(p, Position) for p in self.cut):
+            raise ConfigError("cut", f"must be {self.world_size} Positions, one per rank of the old world")
+
+
+def plan_to_json(plan: tuple[Resize, ...]) -> str:
+    """The compact text a store keeps a job's resize history in (``[]`` for a job never resized)."""
+    return json.dumps(
+        [[r.world_size, [[p.epoch, p.step] for p in r.cut]] for r in plan], separators=(",", ":")
+    )
+
+
+def plan_from_json(text: str) -> tuple[Resize, ...]:
+    """The inverse of ``plan_to_json``."""
+    return tuple(
+        Resize(int(size), tuple(Position(int(e), int(s)) for e, s in cut)) for size, cut in json.loads(text)
+    )
+
+
+def resize_start(cut: tuple[Position, ...]) -> Position:
+    """Where every rank of the new world starts: step 0 of the re-planned rest of the earliest epoch."""
+    return Position(min(p.epoch for p in cut), 0)
+
+
+def new_incarnation() -> str:
+    """A fresh random token naming one life of a job in a store (see ``JobState.incarnation``)."""
+    return secrets.token_hex(8)
+
+
+@dataclass(frozen=True, slots=True)
 class JobState:
     """A job's identity and every rank's state (``ranks[r].rank == r``).
 
     ``created`` is when the job was (re)created; ``updated`` is the time of its
-    last successful join, advance or rewind (``created`` if none).
+    last successful join, advance, rewind, resize or reconcile (``created`` if
+    none). ``incarnation`` is a random token chosen when the job was created:
+    a trainer that knew another incarnation is talking to a store that lost the
+    job (a Redis restarted without persistence) or to a job that was reset.
+    ``plan`` is the job's resize history, oldest first (``spec.world_size`` is
+    the current size).
     """
 
     spec: JobSpec
     ranks: tuple[RankState, ...]
     created: float
     updated: float
+    incarnation: str = ""
+    plan: tuple[Resize, ...] = ()
 
     @property
     def job(self) -> str:
@@ -231,7 +288,14 @@ class CursorStore(abc.ABC):
 
     # --- the public contract -----------------------------------------------
 
-    def open_job(self, spec: JobSpec, *, reset: bool = False) -> JobState:
+    def open_job(
+        self,
+        spec: JobSpec,
+        *,
+        reset: bool = False,
+        incarnation: str | None = None,
+        plan: tuple[Resize, ...] = (),
+    ) -> JobState:
         """The job ``spec.job``, created if absent with every rank at ``Position(0, 0)``, generation 0.
 
         An existing job with the same spec is returned unchanged. One with
@@ -240,10 +304,22 @@ class CursorStore(abc.ABC):
         world size raises ``WorldSizeMismatchError`` (fingerprints are checked
         first). ``reset=True`` deletes any existing job of that name and
         creates it afresh, whatever its spec.
+
+        A job created here gets ``incarnation`` (a new random one if None) and
+        the resize history ``plan``; both are ignored for an existing job. A
+        server that finds its job gone from a store that lost it passes the
+        values it knew, so the job comes back as it was (then ranks are
+        restored with ``reconcile``).
         """
         if not isinstance(spec, JobSpec):
             raise ConfigError("spec", f"must be a JobSpec, got {type(spec).__name__}")
-        return self._open_job(spec, reset=bool(reset))
+        if incarnation is None:
+            incarnation = new_incarnation()
+        if not isinstance(incarnation, str) or not 1 <= len(incarnation) <= MAX_FINGERPRINT_LEN:
+            raise ConfigError("incarnation", f"must be a string of 1..{MAX_FINGERPRINT_LEN} characters")
+        if not isinstance(plan, tuple) or not all(isinstance(r, Resize) for r in plan):
+            raise ConfigError("plan", "must be a tuple of Resize")
+        return self._open_job(spec, reset=bool(reset), incarnation=incarnation, plan=plan)
 
     def join(self, job: str, rank: int, world_size: int) -> RankState:
         """Register a (new) trainer process for ``rank``: its generation is incremented and returned.
@@ -283,6 +359,46 @@ class CursorStore(abc.ABC):
         """
         self._check_move(job, rank, generation, to)
         return self._rewind(job, rank, generation, to)
+
+    def resize(
+        self, job: str, from_world_size: int, to_world_size: int, cut: tuple[Position, ...] | None = None
+    ) -> JobState:
+        """Change the job's world size (an elastic restart); returns the new state.
+
+        ``cut`` is where each rank of the old world stands (a checkpoint's
+        position for every rank); None takes the stored cursors. The cut is
+        appended to ``plan``, every rank of the new world starts at
+        ``resize_start(cut)`` with one generation above every generation the
+        job has issued (so every process of the old world is fenced), and the
+        ranks beyond the new size are removed. Checked in order: arguments
+        (``ConfigError``: sizes outside 1..MAX_WORLD_SIZE or equal, a cut not
+        of ``from_world_size`` positions), ``JobNotFoundError``; then, if the
+        job already has ``to_world_size`` ranks, it is returned unchanged
+        (another process of the new world resized it first);
+        ``WorldSizeMismatchError`` if the stored size is not ``from_world_size``.
+        """
+        validate_job_name(job)
+        _check_int("from_world_size", from_world_size, 1, MAX_WORLD_SIZE)
+        _check_int("to_world_size", to_world_size, 1, MAX_WORLD_SIZE)
+        if from_world_size == to_world_size:
+            raise ConfigError("to_world_size", f"is the current world size ({to_world_size}); nothing to resize")
+        if cut is not None:
+            Resize(from_world_size, tuple(cut))  # validates
+            cut = tuple(cut)
+        return self._resize(job, from_world_size, to_world_size, cut)
+
+    def reconcile(self, job: str, rank: int, generation: int, to: Position) -> RankState:
+        """Restore a rank the store forgot: its cursor to ``to`` and its generation to ``generation``.
+
+        For a store that lost recent writes (a Redis restarted without
+        persistence or from an AOF a second old): the live trainer process
+        still holds generation ``generation`` and has consumed every batch
+        before ``to``; both are written back. Refused with ``FencedError`` if
+        the stored generation is newer (that process really was replaced).
+        Same argument checks as ``rewind``.
+        """
+        self._check_move(job, rank, generation, to)
+        return self._reconcile(job, rank, generation, to)
 
     def get(self, job: str) -> JobState:
         """The job's state, read atomically (``JobNotFoundError`` if absent)."""
@@ -331,7 +447,17 @@ class CursorStore(abc.ABC):
     # --- the hooks each store implements, each one atomic operation ---------
 
     @abc.abstractmethod
-    def _open_job(self, spec: JobSpec, *, reset: bool) -> JobState: ...
+    def _open_job(
+        self, spec: JobSpec, *, reset: bool, incarnation: str, plan: tuple[Resize, ...]
+    ) -> JobState: ...
+
+    @abc.abstractmethod
+    def _resize(
+        self, job: str, from_world_size: int, to_world_size: int, cut: tuple[Position, ...] | None
+    ) -> JobState: ...
+
+    @abc.abstractmethod
+    def _reconcile(self, job: str, rank: int, generation: int, to: Position) -> RankState: ...
 
     @abc.abstractmethod
     def _join(self, job: str, rank: int, world_size: int) -> RankState: ...

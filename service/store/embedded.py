@@ -37,14 +37,19 @@ from .base import (
     RankState,
     check_forward,
     check_generation,
+    Resize,
     check_identity,
+    new_incarnation,
+    plan_from_json,
+    plan_to_json,
     rank_outside,
+    resize_start,
 )
 
 __all__ = ["SCHEMA_VERSION", "EmbeddedStore"]
 
 # Stored in PRAGMA user_version; bump with a migration in ``_migrate``.
-SCHEMA_VERSION: Final = 1
+SCHEMA_VERSION: Final = 2
 
 _SCHEMA: Final = (
     """
@@ -54,7 +59,9 @@ _SCHEMA: Final = (
         config_fingerprint TEXT NOT NULL,
         world_size INTEGER NOT NULL CHECK (world_size >= 1),
         created REAL NOT NULL,
-        updated REAL NOT NULL
+        updated REAL NOT NULL,
+        incarnation TEXT NOT NULL,
+        plan TEXT NOT NULL
     ) WITHOUT ROWID
     """,
     """
@@ -70,10 +77,17 @@ _SCHEMA: Final = (
     """,
 )
 
-_JOB_COLUMNS: Final = "job, dataset_fingerprint, config_fingerprint, world_size, created, updated"
+_JOB_COLUMNS: Final = (
+    "job, dataset_fingerprint, config_fingerprint, world_size, created, updated, incarnation, plan"
+)
+# Version 1 had no incarnation or plan: jobs it holds get a fresh incarnation and an empty plan.
+_MIGRATE_1_TO_2: Final = (
+    "ALTER TABLE jobs ADD COLUMN incarnation TEXT NOT NULL DEFAULT ''",
+    "ALTER TABLE jobs ADD COLUMN plan TEXT NOT NULL DEFAULT '[]'",
+)
 _RANK_COLUMNS: Final = "rank, epoch, step, generation, last_seen"
 
-_JobRow = tuple[str, str, str, int, float, float]
+_JobRow = tuple[str, str, str, int, float, float, str, str]
 _RankRow = tuple[int, int, int, int, float]
 
 
@@ -83,12 +97,14 @@ def _rank_state(row: _RankRow) -> RankState:
 
 
 def _job_state(row: _JobRow, ranks: list[_RankRow]) -> JobState:
-    job, dataset_fp, config_fp, world_size, created, updated = row
+    job, dataset_fp, config_fp, world_size, created, updated, incarnation, plan = row
     return JobState(
         JobSpec(job, dataset_fp, config_fp, world_size),
         tuple(_rank_state(r) for r in ranks),
         created,
         updated,
+        incarnation,
+        plan_from_json(plan),
     )
 
 
@@ -190,7 +206,12 @@ class EmbeddedStore(CursorStore):
                     )
                 for statement in _SCHEMA:
                     db.execute(statement)
-                db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+            elif version == 1:
+                for statement in _MIGRATE_1_TO_2:
+                    db.execute(statement)
+                for (job,) in db.execute("SELECT job FROM jobs").fetchall():
+                    db.execute("UPDATE jobs SET incarnation = ? WHERE job = ?", (new_incarnation(), job))
+            db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
             db.execute("COMMIT")
         except BaseException:
             db.rollback()
@@ -238,7 +259,9 @@ class EmbeddedStore(CursorStore):
         ).fetchall()
         return rows
 
-    def _open_job(self, spec: JobSpec, *, reset: bool) -> JobState:
+    def _open_job(
+        self, spec: JobSpec, *, reset: bool, incarnation: str, plan: tuple[Resize, ...]
+    ) -> JobState:
         with self._transaction(write=True) as db:
             now = self._now()
             row = self._job_row(db, spec.job)
@@ -249,15 +272,56 @@ class EmbeddedStore(CursorStore):
                 check_identity(_job_state(row, []).spec, spec)
                 return _job_state(row, self._rank_rows(db, spec.job))
             db.execute(
-                f"INSERT INTO jobs ({_JOB_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?)",
-                (spec.job, spec.dataset_fingerprint, spec.config_fingerprint, spec.world_size, now, now),
+                f"INSERT INTO jobs ({_JOB_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                (
+                    spec.job,
+                    spec.dataset_fingerprint,
+                    spec.config_fingerprint,
+                    spec.world_size,
+                    now,
+                    now,
+                    incarnation,
+                    plan_to_json(plan),
+                ),
             )
-            db.executemany(
-                f"INSERT INTO ranks (job, {_RANK_COLUMNS}) VALUES (?, ?, 0, 0, 0, ?)",
-                ((spec.job, rank, now) for rank in range(spec.world_size)),
-            )
+            self._insert_ranks(db, spec.job, spec.world_size, Position(0, 0), 0, now)
             ranks = tuple(RankState(rank, Position(0, 0), 0, now) for rank in range(spec.world_size))
-            return JobState(spec, ranks, now, now)
+            return JobState(spec, ranks, now, now, incarnation, plan)
+
+    @staticmethod
+    def _insert_ranks(
+        db: sqlite3.Connection, job: str, world_size: int, at: Position, generation: int, now: float
+    ) -> None:
+        db.executemany(
+            f"INSERT INTO ranks (job, {_RANK_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?)",
+            ((job, rank, at.epoch, at.step, generation, now) for rank in range(world_size)),
+        )
+
+    def _resize(
+        self, job: str, from_world_size: int, to_world_size: int, cut: tuple[Position, ...] | None
+    ) -> JobState:
+        with self._transaction(write=True) as db:
+            now = self._now()
+            row = self._job_row(db, job)
+            if row is None:
+                raise JobNotFoundError(job)
+            state = _job_state(row, self._rank_rows(db, job))
+            if state.spec.world_size == to_world_size:
+                return state
+            if state.spec.world_size != from_world_size:
+                raise WorldSizeMismatchError(job, state.spec.world_size, from_world_size)
+            if cut is None:
+                cut = tuple(r.position for r in state.ranks)
+            plan = (*state.plan, Resize(from_world_size, cut))
+            generation = max(r.generation for r in state.ranks) + 1
+            start = resize_start(cut)
+            db.execute("DELETE FROM ranks WHERE job = ?", (job,))
+            self._insert_ranks(db, job, to_world_size, start, generation, now)
+            db.execute(
+                "UPDATE jobs SET world_size = ?, plan = ?, updated = ? WHERE job = ?",
+                (to_world_size, plan_to_json(plan), now, job),
+            )
+            return _job_state(self._job_row(db, job) or row, self._rank_rows(db, job))
 
     def _join(self, job: str, rank: int, world_size: int) -> RankState:
         with self._transaction(write=True) as db:
@@ -275,7 +339,9 @@ class EmbeddedStore(CursorStore):
             db.execute("UPDATE jobs SET updated = ? WHERE job = ?", (now, job))
             return _rank_state(updated)
 
-    def _move(self, job: str, rank: int, generation: int, to: Position, *, forward_only: bool) -> RankState:
+    def _move(
+        self, job: str, rank: int, generation: int, to: Position, *, forward_only: bool, restore: bool = False
+    ) -> RankState:
         with self._transaction(write=True) as db:
             now = self._now()
             row = db.execute(
@@ -288,21 +354,28 @@ class EmbeddedStore(CursorStore):
             world_size, epoch, step, current = row
             if current is None:
                 raise rank_outside(rank, world_size)
-            check_generation(job, rank, generation, current)
+            if restore:
+                if current > generation:
+                    check_generation(job, rank, generation, current)
+            else:
+                check_generation(job, rank, generation, current)
             if forward_only:
                 check_forward(job, rank, Position(epoch, step), to)
             db.execute(
-                "UPDATE ranks SET epoch = ?, step = ?, last_seen = ? WHERE job = ? AND rank = ?",
-                (to.epoch, to.step, now, job, rank),
+                "UPDATE ranks SET epoch = ?, step = ?, generation = ?, last_seen = ? WHERE job = ? AND rank = ?",
+                (to.epoch, to.step, generation, now, job, rank),
             )
             db.execute("UPDATE jobs SET updated = ? WHERE job = ?", (now, job))
-            return RankState(rank, to, current, now)
+            return RankState(rank, to, generation, now)
 
     def _advance(self, job: str, rank: int, generation: int, to: Position) -> RankState:
         return self._move(job, rank, generation, to, forward_only=True)
 
     def _rewind(self, job: str, rank: int, generation: int, to: Position) -> RankState:
         return self._move(job, rank, generation, to, forward_only=False)
+
+    def _reconcile(self, job: str, rank: int, generation: int, to: Position) -> RankState:
+        return self._move(job, rank, generation, to, forward_only=False, restore=True)
 
     def _get(self, job: str) -> JobState:
         with self._transaction(write=False) as db:

@@ -35,7 +35,16 @@ from ladle.service.errors import (
     StoreUnavailableError,
     WorldSizeMismatchError,
 )
-from ladle.service.store.base import Clock, CursorStore, JobSpec, JobState, Position, RankState
+from ladle.service.store.base import (
+    Clock,
+    CursorStore,
+    JobSpec,
+    JobState,
+    Position,
+    RankState,
+    Resize,
+    resize_start,
+)
 
 __all__ = ["SPEC", "MakeStore", "ManualClock", "StoreContract", "StoreFactory"]
 
@@ -102,9 +111,19 @@ class ModelJob:
     created: float
     updated: float
     ranks: list[RankState]
+    plan: tuple[Resize, ...] = ()
 
     def state(self) -> JobState:
-        return JobState(self.spec, tuple(self.ranks), self.created, self.updated)
+        return JobState(self.spec, tuple(self.ranks), self.created, self.updated, "", self.plan)
+
+
+def anonymous(value: Any) -> Any:
+    """``value`` with every JobState's random incarnation blanked (the model has none)."""
+    if isinstance(value, JobState):
+        return replace(value, incarnation="")
+    if isinstance(value, list):
+        return [anonymous(v) for v in value]
+    return value
 
 
 class Model:
@@ -149,7 +168,7 @@ class Model:
         return stored.ranks[rank]
 
     def move(
-        self, job: str, rank: int, generation: int, to: Position, forward: bool, now: float
+        self, job: str, rank: int, generation: int, to: Position, kind: str, now: float
     ) -> RankState:
         if generation < 1:
             raise ConfigError("generation", "< 1")
@@ -157,13 +176,27 @@ class Model:
         if rank >= stored.spec.world_size:
             raise ConfigError("rank", "outside")
         old = stored.ranks[rank]
-        if generation != old.generation:
+        if generation != old.generation and not (kind == "reconcile" and generation > old.generation):
             raise FencedError(job, rank, generation, old.generation)
-        if forward and to < old.position:
+        if kind == "advance" and to < old.position:
             raise CursorRegressionError(job, rank, (0, 0), (0, 0))
-        stored.ranks[rank] = replace(old, position=to, last_seen=now)
+        stored.ranks[rank] = replace(old, position=to, generation=generation, last_seen=now)
         stored.updated = now
         return stored.ranks[rank]
+
+    def resize(self, job: str, old: int, new: int, cut: tuple[Position, ...] | None, now: float) -> JobState:
+        stored = self.job(job)
+        if stored.spec.world_size == new:
+            return stored.state()
+        if stored.spec.world_size != old:
+            raise WorldSizeMismatchError(job, stored.spec.world_size, old)
+        cut = cut if cut is not None else tuple(r.position for r in stored.ranks)
+        generation = max(r.generation for r in stored.ranks) + 1
+        stored.ranks = [RankState(r, resize_start(cut), generation, now) for r in range(new)]
+        stored.plan = (*stored.plan, Resize(old, cut))
+        stored.spec = replace(stored.spec, world_size=new)
+        stored.updated = now
+        return stored.state()
 
 
 @dataclass(frozen=True)
@@ -185,7 +218,9 @@ JOB_NAMES = ("job-a", "job-b")
 START_SPECS = tuple(JobSpec(job, "d1", "c1", 3) for job in JOB_NAMES)
 OPS = st.builds(
     Op,
-    kind=st.sampled_from(["join"] * 3 + ["advance"] * 5 + ["rewind"] * 2 + ["open", "get", "delete"]),
+    kind=st.sampled_from(
+        ["join"] * 3 + ["advance"] * 5 + ["rewind"] * 2 + ["open", "get", "delete", "resize", "reconcile"]
+    ),
     job=st.sampled_from(JOB_NAMES),
     spec=st.builds(
         JobSpec,
@@ -205,7 +240,7 @@ OPS = st.builds(
 def _outcome(call: Callable[..., Any], *args: Any) -> tuple[str, Any]:
     """``("ok", result)`` or ``("error", the LadleError's type)``."""
     try:
-        return ("ok", call(*args))
+        return ("ok", anonymous(call(*args)))
     except LadleError as exc:
         return ("error", type(exc))
 
@@ -219,9 +254,18 @@ def _on_store(store: CursorStore, op: Op, generation: int) -> Any:
         return store.advance(op.job, op.rank, generation, op.to)
     if op.kind == "rewind":
         return store.rewind(op.job, op.rank, generation, op.to)
+    if op.kind == "reconcile":
+        return store.reconcile(op.job, op.rank, generation, op.to)
+    if op.kind == "resize":
+        return store.resize(op.job, op.world_size, 5 - op.world_size, _cut(op))
     if op.kind == "get":
         return store.get(op.job)
     return store.delete_job(op.job)
+
+
+def _cut(op: Op) -> tuple[Position, ...] | None:
+    """Resize ops take the stored cursors when ``reset`` is drawn, else a checkpoint's position."""
+    return None if op.reset else (op.to,) * op.world_size
 
 
 def _on_model(model: Model, op: Op, generation: int, now: float) -> Any:
@@ -229,8 +273,10 @@ def _on_model(model: Model, op: Op, generation: int, now: float) -> Any:
         return model.open_job(op.spec, op.reset, now)
     if op.kind == "join":
         return model.join(op.job, op.rank, op.world_size, now)
-    if op.kind in ("advance", "rewind"):
-        return model.move(op.job, op.rank, generation, op.to, op.kind == "advance", now)
+    if op.kind in ("advance", "rewind", "reconcile"):
+        return model.move(op.job, op.rank, generation, op.to, op.kind, now)
+    if op.kind == "resize":
+        return model.resize(op.job, op.world_size, 5 - op.world_size, _cut(op), now)
     if op.kind == "get":
         return model.job(op.job).state()
     return model.jobs.pop(op.job, None) is not None
@@ -687,6 +733,86 @@ class StoreContract:
         assert state.position == Position(0, sum(won)), "an advance was lost, or applied while fenced"
         assert state.generation == 2 * rounds, "a join was lost"
 
+    # --- incarnation, resize, reconcile ------------------------------------
+
+    def test_a_new_job_gets_a_fresh_incarnation(self, store: CursorStore) -> None:
+        first = store.open_job(SPEC)
+        assert len(first.incarnation) >= 8
+        assert store.open_job(SPEC).incarnation == first.incarnation, "reopening keeps the incarnation"
+        again = store.open_job(SPEC, reset=True)
+        assert again.incarnation != first.incarnation, "a reset job is a new incarnation"
+
+    def test_a_lost_job_comes_back_with_what_the_server_knew(self, store: CursorStore) -> None:
+        plan = (Resize(2, (Position(1, 3), Position(1, 4))),)
+        state = store.open_job(SPEC, incarnation="abc123", plan=plan)
+        assert (state.incarnation, state.plan) == ("abc123", plan)
+        assert store.get(SPEC.job).plan == plan
+        assert store.open_job(SPEC, incarnation="other").incarnation == "abc123", "ignored for a known job"
+        with pytest.raises(ConfigError):
+            store.open_job(replace(SPEC, job="x"), incarnation="")
+
+    def test_resize_records_the_cut_and_restarts_every_rank(
+        self, opened: CursorStore, clock: ManualClock
+    ) -> None:
+        generations = [opened.join(SPEC.job, r, 4).generation for r in range(4)]
+        for r, g in enumerate(generations):
+            opened.advance(SPEC.job, r, g, Position(2, 10 + r))
+        opened.join(SPEC.job, 1, 4)  # rank 1 is at generation 2 now: the highest
+        clock.tick()
+        state = opened.resize(SPEC.job, 4, 3)
+        cut = (Position(2, 10), Position(2, 11), Position(2, 12), Position(2, 13))
+        assert state.plan == (Resize(4, cut),)
+        assert state.spec == replace(SPEC, world_size=3)
+        assert state.ranks == tuple(RankState(r, Position(2, 0), 3, clock.now) for r in range(3))
+        assert opened.get(SPEC.job) == state
+        for r, g in enumerate(generations):
+            if r < 3:
+                with pytest.raises(FencedError):
+                    opened.advance(SPEC.job, r, g, Position(2, 20))
+        with pytest.raises(WorldSizeMismatchError):
+            opened.join(SPEC.job, 0, 4)
+        assert opened.join(SPEC.job, 2, 3).generation == 4
+
+    def test_resize_from_a_checkpoint_and_twice(self, opened: CursorStore) -> None:
+        checkpoint = (Position(1, 7),) * 4
+        first = opened.resize(SPEC.job, 4, 6, checkpoint)
+        assert [r.position for r in first.ranks] == [Position(1, 0)] * 6
+        assert opened.resize(SPEC.job, 4, 6, checkpoint) == first, "a second resize to the same size is a no-op"
+        with pytest.raises(WorldSizeMismatchError):
+            opened.resize(SPEC.job, 4, 2)
+        second = opened.resize(SPEC.job, 6, 2, (Position(1, 3),) * 5 + (Position(2, 0),))
+        assert second.plan == (Resize(4, checkpoint), Resize(6, (Position(1, 3),) * 5 + (Position(2, 0),)))
+        assert [r.position for r in second.ranks] == [Position(1, 0)] * 2
+
+    def test_resize_errors(self, opened: CursorStore) -> None:
+        with pytest.raises(JobNotFoundError):
+            opened.resize("nope", 4, 3)
+        with pytest.raises(ConfigError):
+            opened.resize(SPEC.job, 4, 4)
+        with pytest.raises(ConfigError):
+            opened.resize(SPEC.job, 4, 0)
+        with pytest.raises(ConfigError):
+            opened.resize(SPEC.job, 4, 3, (Position(0, 1),) * 3)
+        assert opened.get(SPEC.job).spec == SPEC, "a refused resize changes nothing"
+
+    def test_reconcile_restores_a_forgotten_rank(self, opened: CursorStore, clock: ManualClock) -> None:
+        """The live process holds generation 5 and position (3, 9); the store forgot both."""
+        clock.tick()
+        state = opened.reconcile(SPEC.job, 2, 5, Position(3, 9))
+        assert state == RankState(2, Position(3, 9), 5, clock.now)
+        assert opened.get(SPEC.job).ranks[2] == state
+        assert opened.advance(SPEC.job, 2, 5, Position(3, 10)).position == Position(3, 10)
+        assert opened.reconcile(SPEC.job, 2, 5, Position(3, 4)).position == Position(3, 4), "either way"
+        for _ in range(3):
+            opened.join(SPEC.job, 2, 4)  # generation 8: the process at 5 was really replaced
+        with pytest.raises(FencedError):
+            opened.reconcile(SPEC.job, 2, 5, Position(9, 9))
+        assert opened.get(SPEC.job).ranks[2].position == Position(3, 4)
+        with pytest.raises(JobNotFoundError):
+            opened.reconcile("nope", 0, 1, Position(0, 0))
+        with pytest.raises(ConfigError):
+            opened.reconcile(SPEC.job, 4, 1, Position(0, 0))
+
     # --- the whole contract against a model ---------------------------------
 
     @settings(suppress_health_check=[*settings().suppress_health_check, HealthCheck.function_scoped_fixture])
@@ -696,7 +822,7 @@ class StoreContract:
             store.delete_job(job.job)
         model = Model()
         for spec in START_SPECS:
-            assert store.open_job(spec) == model.open_job(spec, False, clock())
+            assert anonymous(store.open_job(spec)) == model.open_job(spec, False, clock())
             for rank in range(spec.world_size):
                 assert store.join(spec.job, rank, 3) == model.join(spec.job, rank, 3, clock())
         for i, op in enumerate(ops):
@@ -707,6 +833,6 @@ class StoreContract:
             got = _outcome(_on_store, store, op, generation)
             want = _outcome(_on_model, model, op, generation, now)
             assert got == want, f"op {i} {op}: store gave {got}, the model {want}"
-            assert store.list_jobs() == [model.jobs[j].state() for j in sorted(model.jobs)], (
+            assert anonymous(store.list_jobs()) == [model.jobs[j].state() for j in sorted(model.jobs)], (
                 f"state differs from the model after op {i} {op}"
             )
