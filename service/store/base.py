@@ -381,7 +381,7 @@ class CursorStore(abc.ABC):
         _check_int("from_world_size", from_world_size, 1, MAX_WORLD_SIZE)
         _check_int("to_world_size", to_world_size, 1, MAX_WORLD_SIZE)
         if from_world_size == to_world_size:
-            raise ConfigError("to_world_size", f"is the current world size ({to_world_size}); nothing to resize")
+            raise ConfigError("to_world_size", f"equals from_world_size ({to_world_size}): nothing to resize")
         if cut is not None:
             Resize(from_world_size, tuple(cut))  # validates
             cut = tuple(cut)

@@ -35,9 +35,9 @@ from .base import (
     JobState,
     Position,
     RankState,
+    Resize,
     check_forward,
     check_generation,
-    Resize,
     check_identity,
     new_incarnation,
     plan_from_json,
@@ -362,7 +362,8 @@ class EmbeddedStore(CursorStore):
             if forward_only:
                 check_forward(job, rank, Position(epoch, step), to)
             db.execute(
-                "UPDATE ranks SET epoch = ?, step = ?, generation = ?, last_seen = ? WHERE job = ? AND rank = ?",
+                "UPDATE ranks SET epoch = ?, step = ?, generation = ?, last_seen = ? "
+                "WHERE job = ? AND rank = ?",
                 (to.epoch, to.step, generation, now, job, rank),
             )
             db.execute("UPDATE jobs SET updated = ? WHERE job = ?", (now, job))

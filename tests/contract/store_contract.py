@@ -167,9 +167,7 @@ class Model:
         stored.updated = now
         return stored.ranks[rank]
 
-    def move(
-        self, job: str, rank: int, generation: int, to: Position, kind: str, now: float
-    ) -> RankState:
+    def move(self, job: str, rank: int, generation: int, to: Position, kind: str, now: float) -> RankState:
         if generation < 1:
             raise ConfigError("generation", "< 1")
         stored = self.job(job)
@@ -777,7 +775,7 @@ class StoreContract:
         checkpoint = (Position(1, 7),) * 4
         first = opened.resize(SPEC.job, 4, 6, checkpoint)
         assert [r.position for r in first.ranks] == [Position(1, 0)] * 6
-        assert opened.resize(SPEC.job, 4, 6, checkpoint) == first, "a second resize to the same size is a no-op"
+        assert opened.resize(SPEC.job, 4, 6, checkpoint) == first, "resizing to the same size again: no-op"
         with pytest.raises(WorldSizeMismatchError):
             opened.resize(SPEC.job, 4, 2)
         second = opened.resize(SPEC.job, 6, 2, (Position(1, 3),) * 5 + (Position(2, 0),))
