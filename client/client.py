@@ -196,6 +196,7 @@ class BatchClient:
         timeout: float = 60.0,
         pin_memory: bool | None = None,
         client_id: str | None = None,
+        elastic: bool = False,
     ) -> None:
         self.rank = int(_from_env(rank, "RANK", 0, int))
         self.world_size = int(_from_env(world_size, "WORLD_SIZE", 1, int))
@@ -214,6 +215,12 @@ class BatchClient:
         self.prefetch = int(prefetch)
         self.timeout = float(timeout)
         self.client_id = client_id or f"{socket.gethostname()}:{os.getpid()}"
+        self.elastic = bool(elastic)
+        # "a:50051,b:50051": replicas; rank r starts on the r-th (mod n) and fails over in turn
+        self.servers = [a.strip() for a in self.server.split(",") if a.strip()]
+        if not self.servers:
+            raise ValueError(f"server must name at least one host:port, got {self.server!r}")
+        self._server_index = self.rank % len(self.servers)
         self._device = device
         self._pin = pin_memory
         self._channel: Any = None
@@ -224,6 +231,9 @@ class BatchClient:
         self._next: tuple[int, int] | None = None
         self._held: tuple[int, int] | None = None
         self._fingerprint: str | None = None
+        # what the last stream's StreamStart said; sent back on a reconnect (Open.resume)
+        self._generation: int | None = None
+        self._incarnation = ""
         self._closed = False
         self.reconnects = 0
 
@@ -258,9 +268,15 @@ class BatchClient:
             value = state[key]
             if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 0:
                 raise StateDictError(f"state[{key!r}] must be a non-negative integer, got {value!r}")
+        resized = self.elastic and state["world_size"] != self.world_size
         for key, mine in (("job", self.job), ("rank", self.rank), ("world_size", self.world_size)):
+            if key != "job" and resized:
+                continue  # an elastic restart: any rank's checkpoint of the old world will do
             if state[key] != mine:
-                raise StateDictError(f"state is for {key}={state[key]!r}, this client has {key}={mine!r}")
+                hint = " (pass elastic=True to resume with another world size)" if key == "world_size" else ""
+                raise StateDictError(
+                    f"state is for {key}={state[key]!r}, this client has {key}={mine!r}{hint}"
+                )
         fingerprint = state["schedule_fingerprint"]
         if fingerprint is not None and not isinstance(fingerprint, str):
             raise StateDictError(f"state['schedule_fingerprint'] must be a string, got {fingerprint!r}")
@@ -268,6 +284,7 @@ class BatchClient:
         self._next = (int(state["epoch"]), int(state["step"]))
         self._held = None
         self._fingerprint = fingerprint
+        self._generation = None  # a restart from a checkpoint, not a reconnect
 
     @property
     def position(self) -> tuple[int, int] | None:
@@ -303,7 +320,7 @@ class BatchClient:
             except queue.Empty:
                 self._drop_stream()
                 raise ServerUnavailableError(
-                    f"no batch from {self.server} within {self.timeout:.0f}s "
+                    f"no batch from {self._address} within {self.timeout:.0f}s "
                     f"(job {self.job!r}, rank {self.rank})"
                 ) from None
             if isinstance(item, tuple):
@@ -312,10 +329,13 @@ class BatchClient:
                 return cast(Batch, batch)
             if isinstance(item, codec.DecodedEpochEnd):
                 return item
+            if isinstance(item, codec.DecodedStreamStart):
+                self._started(item)
+                continue
             self._drop_stream()
             if item is _END:
                 error: BaseException = ServerUnavailableError(
-                    f"{self.server} ended the stream", "UNAVAILABLE"
+                    f"{self._address} ended the stream", "UNAVAILABLE"
                 )
             elif isinstance(item, grpc.RpcError):
                 error = self._map_error(item)
@@ -323,10 +343,35 @@ class BatchClient:
                 raise item
             if not isinstance(error, ServerUnavailableError) or time.monotonic() + backoff > deadline:
                 raise error
-            log.warning("rank %d: %s; reconnecting in %.2fs", self.rank, error, backoff)
+            if len(self.servers) > 1:
+                self._server_index = (self._server_index + 1) % len(self.servers)
+                backoff = _BACKOFF_FIRST  # another replica: no reason to wait long
+            log.warning("rank %d: %s; reconnecting to %s in %.2fs", self.rank, error, self._address, backoff)
             time.sleep(backoff)
             backoff = min(backoff * 2, _BACKOFF_MAX)
             self.reconnects += 1
+
+    def _started(self, start: codec.DecodedStreamStart) -> None:
+        """The server's first frame: adopt its schedule, generation and (after a resize) position."""
+        self._generation = start.generation
+        self._incarnation = start.incarnation
+        if self._fingerprint is not None and start.schedule_fingerprint != self._fingerprint:
+            log.warning(
+                "rank %d: job %r was resized to %d ranks; continuing at epoch %d step %d of the re-planned "
+                "schedule %s",
+                self.rank,
+                self.job,
+                start.world_size,
+                start.epoch,
+                start.step,
+                start.schedule_fingerprint,
+            )
+        self._fingerprint = start.schedule_fingerprint
+        self._next = (start.epoch, start.step)
+
+    @property
+    def _address(self) -> str:
+        return self.servers[self._server_index]
 
     def _check_batch(self, batch: codec.DecodedBatch) -> None:
         if batch.rank != self.rank:
@@ -352,10 +397,10 @@ class BatchClient:
         message = exc.details() or str(code)
         name = code.name if code is not None else "UNKNOWN"
         if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED) and not self._closed:
-            return ServerUnavailableError(f"{self.server}: {message}", name)
+            return ServerUnavailableError(f"{self._address}: {message}", name)
         if details is not None and details.reason == "fenced":
             return FencedError(message, name)
-        return BatchClientError(f"{self.server}: {message}", name)
+        return BatchClientError(f"{self._address}: {message}", name)
 
     # --- connection ---
 
@@ -368,15 +413,25 @@ class BatchClient:
             ("grpc.keepalive_time_ms", 20_000),
             ("grpc.keepalive_timeout_ms", 10_000),
         ]
-        self._channel = grpc.insecure_channel(self.server, options=options)
-        try:
-            grpc.channel_ready_future(self._channel).result(timeout=max(0.01, deadline - time.monotonic()))
-        except grpc.FutureTimeoutError:
-            self._channel.close()
-            self._channel = None
-            raise ServerUnavailableError(
-                f"no batch server answered at {self.server} within {self.timeout:.0f}s", "UNAVAILABLE"
-            ) from None
+        # with replicas, each gets a share of the time left before the next is tried
+        tries = len(self.servers)
+        while True:
+            left = deadline - time.monotonic()
+            wait = left if tries <= 1 else min(left, max(1.0, left / tries))
+            self._channel = grpc.insecure_channel(self._address, options=options)
+            try:
+                grpc.channel_ready_future(self._channel).result(timeout=max(0.01, wait))
+                break
+            except grpc.FutureTimeoutError:
+                self._channel.close()
+                self._channel = None
+            if time.monotonic() >= deadline or tries <= 1:
+                raise ServerUnavailableError(
+                    f"no batch server answered at {self.server} within {self.timeout:.0f}s", "UNAVAILABLE"
+                ) from None
+            log.warning("rank %d: no answer from %s; trying the next replica", self.rank, self._address)
+            self._server_index = (self._server_index + 1) % len(self.servers)
+            tries = max(1, tries - 1)
         self._stub = rpc.BatchServiceClient(self._channel)
         return self._stub
 
@@ -395,6 +450,10 @@ class BatchClient:
             request.start.CopyFrom(pb.Position(epoch=self._next[0], step=self._next[1]))
         if self._fingerprint is not None:
             request.schedule_fingerprint = self._fingerprint
+        if self.elastic:
+            request.elastic = True
+        if self._generation is not None:
+            request.resume.CopyFrom(pb.Resume(generation=self._generation, incarnation=self._incarnation))
         self._stream = _Stream(stub, pb.StreamRequest(open=request), self.prefetch, self._to_batch)
         return self._stream
 

@@ -30,12 +30,15 @@ __all__ = [
     "PREFIX_BYTES",
     "WIRE_VERSION",
     "DecodedBatch",
+    "Decoded",
     "DecodedEpochEnd",
+    "DecodedStreamStart",
     "WireFormatError",
     "decode_batch",
     "decode_frame",
     "encode_batch",
     "encode_epoch_end",
+    "encode_stream_start",
     "max_frame_bytes",
 ]
 
@@ -109,6 +112,18 @@ class DecodedEpochEnd:
 
     epoch: int
     steps: int
+
+
+@dataclass(frozen=True, slots=True)
+class DecodedStreamStart:
+    """The first frame of a stream: the server's start position, schedule, generation and incarnation."""
+
+    generation: int
+    incarnation: str
+    epoch: int
+    step: int
+    schedule_fingerprint: str
+    world_size: int
 
 
 def _align(n: int) -> int:
@@ -250,6 +265,26 @@ def encode_epoch_end(epoch: int, steps: int) -> bytes:
     return _PREFIX.pack(len(header)) + header
 
 
+def encode_stream_start(
+    *, generation: int, incarnation: str, epoch: int, step: int, schedule_fingerprint: str, world_size: int
+) -> bytes:
+    """The first frame of a stream (see ``StreamStart`` in ladle.proto)."""
+    for name, value in (("generation", generation), ("epoch", epoch), ("step", step)):
+        _check_int(name, value, _U64)
+    _check_int("world_size", world_size, _U32)
+    header: bytes = pb.FrameHeader(
+        version=WIRE_VERSION,
+        start=pb.StreamStart(
+            generation=int(generation),
+            incarnation=incarnation,
+            position=pb.Position(epoch=int(epoch), step=int(step)),
+            schedule_fingerprint=schedule_fingerprint,
+            world_size=int(world_size),
+        ),
+    ).SerializeToString()
+    return _PREFIX.pack(len(header)) + header
+
+
 def max_frame_bytes(token_budget: int, max_batch_size: int) -> int:
     """The largest frame a batch can take under this config: set gRPC's message limits from it.
 
@@ -288,7 +323,10 @@ def max_frame_bytes(token_budget: int, max_batch_size: int) -> int:
     return _align(PREFIX_BYTES + header.ByteSize()) + payload
 
 
-def decode_frame(frame: bytes | bytearray | memoryview) -> DecodedBatch | DecodedEpochEnd:
+Decoded = DecodedBatch | DecodedEpochEnd | DecodedStreamStart
+
+
+def decode_frame(frame: bytes | bytearray | memoryview) -> Decoded:
     """Parse and check one frame; a batch's arrays are zero-copy views onto ``frame``.
 
     Raises WireFormatError, with a message that says what is wrong, for a
@@ -311,12 +349,22 @@ def decode_frame(frame: bytes | bytearray | memoryview) -> DecodedBatch | Decode
     if header.version != WIRE_VERSION:
         raise WireFormatError(f"frame version {header.version}, this decoder reads {WIRE_VERSION}")
     kind = header.WhichOneof("kind")
+    if kind in ("epoch_end", "start") and head != size:
+        raise WireFormatError(f"{kind} frame has {size - head} bytes after its header")
     if kind == "epoch_end":
-        if head != size:
-            raise WireFormatError(f"epoch-end frame has {size - head} bytes after its header")
         return DecodedEpochEnd(epoch=header.epoch_end.epoch, steps=header.epoch_end.steps)
+    if kind == "start":
+        start = header.start
+        return DecodedStreamStart(
+            generation=start.generation,
+            incarnation=start.incarnation,
+            epoch=start.position.epoch,
+            step=start.position.step,
+            schedule_fingerprint=start.schedule_fingerprint,
+            world_size=start.world_size,
+        )
     if kind != "batch":
-        raise WireFormatError("frame header names no known kind (batch or epoch_end)")
+        raise WireFormatError("frame header names no known kind (batch, epoch_end or start)")
     return _decode_batch(header.batch, frame, _align(head), size)
 
 
@@ -324,7 +372,7 @@ def decode_batch(frame: bytes | bytearray | memoryview) -> DecodedBatch:
     """Like decode_frame, but the frame must hold a batch."""
     decoded = decode_frame(frame)
     if not isinstance(decoded, DecodedBatch):
-        raise WireFormatError(f"expected a batch frame, got the end of epoch {decoded.epoch}")
+        raise WireFormatError(f"expected a batch frame, got {type(decoded).__name__}")
     return decoded
 
 

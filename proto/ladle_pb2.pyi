@@ -27,7 +27,7 @@ class Position(_message.Message):
     def __init__(self, epoch: _Optional[int] = ..., step: _Optional[int] = ...) -> None: ...
 
 class Open(_message.Message):
-    __slots__ = ("job", "rank", "world_size", "start", "prefetch", "schedule_fingerprint", "client_id")
+    __slots__ = ("job", "rank", "world_size", "start", "prefetch", "schedule_fingerprint", "client_id", "elastic", "resume")
     JOB_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -35,6 +35,8 @@ class Open(_message.Message):
     PREFETCH_FIELD_NUMBER: _ClassVar[int]
     SCHEDULE_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    ELASTIC_FIELD_NUMBER: _ClassVar[int]
+    RESUME_FIELD_NUMBER: _ClassVar[int]
     job: str
     rank: int
     world_size: int
@@ -42,7 +44,17 @@ class Open(_message.Message):
     prefetch: int
     schedule_fingerprint: str
     client_id: str
-    def __init__(self, job: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., start: _Optional[_Union[Position, _Mapping]] = ..., prefetch: _Optional[int] = ..., schedule_fingerprint: _Optional[str] = ..., client_id: _Optional[str] = ...) -> None: ...
+    elastic: bool
+    resume: Resume
+    def __init__(self, job: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., start: _Optional[_Union[Position, _Mapping]] = ..., prefetch: _Optional[int] = ..., schedule_fingerprint: _Optional[str] = ..., client_id: _Optional[str] = ..., elastic: _Optional[bool] = ..., resume: _Optional[_Union[Resume, _Mapping]] = ...) -> None: ...
+
+class Resume(_message.Message):
+    __slots__ = ("generation", "incarnation")
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    generation: int
+    incarnation: str
+    def __init__(self, generation: _Optional[int] = ..., incarnation: _Optional[str] = ...) -> None: ...
 
 class Ack(_message.Message):
     __slots__ = ("through", "credit")
@@ -119,14 +131,30 @@ class BatchHeader(_message.Message):
     def __init__(self, epoch: _Optional[int] = ..., step: _Optional[int] = ..., rank: _Optional[int] = ..., bucket: _Optional[int] = ..., rows: _Optional[int] = ..., padded_len: _Optional[int] = ..., real_tokens: _Optional[int] = ..., padded_tokens: _Optional[int] = ..., schedule_fingerprint: _Optional[str] = ..., payload_bytes: _Optional[int] = ..., input_ids: _Optional[_Union[Buffer, _Mapping]] = ..., loss_mask: _Optional[_Union[Buffer, _Mapping]] = ..., lengths: _Optional[_Union[Buffer, _Mapping]] = ..., sample_ids: _Optional[_Union[Buffer, _Mapping]] = ...) -> None: ...
 
 class FrameHeader(_message.Message):
-    __slots__ = ("version", "batch", "epoch_end")
+    __slots__ = ("version", "batch", "epoch_end", "start")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     BATCH_FIELD_NUMBER: _ClassVar[int]
     EPOCH_END_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
     version: int
     batch: BatchHeader
     epoch_end: EpochEnd
-    def __init__(self, version: _Optional[int] = ..., batch: _Optional[_Union[BatchHeader, _Mapping]] = ..., epoch_end: _Optional[_Union[EpochEnd, _Mapping]] = ...) -> None: ...
+    start: StreamStart
+    def __init__(self, version: _Optional[int] = ..., batch: _Optional[_Union[BatchHeader, _Mapping]] = ..., epoch_end: _Optional[_Union[EpochEnd, _Mapping]] = ..., start: _Optional[_Union[StreamStart, _Mapping]] = ...) -> None: ...
+
+class StreamStart(_message.Message):
+    __slots__ = ("generation", "incarnation", "position", "schedule_fingerprint", "world_size")
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    POSITION_FIELD_NUMBER: _ClassVar[int]
+    SCHEDULE_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    generation: int
+    incarnation: str
+    position: Position
+    schedule_fingerprint: str
+    world_size: int
+    def __init__(self, generation: _Optional[int] = ..., incarnation: _Optional[str] = ..., position: _Optional[_Union[Position, _Mapping]] = ..., schedule_fingerprint: _Optional[str] = ..., world_size: _Optional[int] = ...) -> None: ...
 
 class Batch(_message.Message):
     __slots__ = ("epoch", "step", "rank", "bucket", "rows", "padded_len", "real_tokens", "padded_tokens", "schedule_fingerprint", "input_ids_dtype", "loss_mask_dtype", "lengths_dtype", "sample_ids_dtype", "input_ids", "loss_mask", "lengths", "sample_ids")

@@ -110,12 +110,61 @@ class _Session:
         if not force and now - self.last_flush < ACK_FLUSH_SECONDS:
             return
         self.last_flush = now
+        store, name = self.job.store, self.job.name
         try:
-            self.job.store.advance(self.job.name, self.rank, self.generation, target)
-        except FencedError as exc:
-            self.fail(StreamAbortedError("failed_precondition", "fenced", str(exc)))
+            try:
+                store.advance(name, self.rank, self.generation, target)
+            except FencedError as exc:
+                if exc.current >= self.generation:
+                    raise self._fenced() from None
+                self._reconcile(
+                    target, f"it holds generation {exc.current} for a process of {exc.generation}"
+                )
+            except JobNotFoundError:
+                store.open_job(self.job.spec, incarnation=self.job.incarnation or None, plan=self.job.plan)
+                self._reconcile(target, "the job was gone")
+        except StreamAbortedError as exc:
+            self.fail(exc)
+            return
+        except LadleError as exc:
+            self.fail(exc)
             return
         self.stored = max(self.stored, target)
+
+    def _reconcile(self, target: Position, why: str) -> None:
+        """The store lost writes it had acknowledged: put back what this live trainer holds."""
+        try:
+            self.job.store.reconcile(self.job.name, self.rank, self.generation, target)
+        except FencedError:
+            raise self._fenced() from None
+        log.warning(
+            "job %s rank %d: the cursor store lost recent writes (%s); reconciled from the trainer's "
+            "position %s, generation %d",
+            self.job.name,
+            self.rank,
+            why,
+            target,
+            self.generation,
+        )
+
+    def _fenced(self) -> StreamAbortedError:
+        """Why this stream may no longer move the cursor: a newer process, or a resize of the job."""
+        try:
+            state = self.job.store.get(self.job.name)
+            resized = state.spec.world_size != self.job.world_size or state.plan != self.job.plan
+        except LadleError:
+            resized = False
+        if resized:
+            why = (
+                f"job {self.job.name!r} was resized to {state.spec.world_size} ranks by an elastic restart; "
+                f"this stream of rank {self.rank} of the old world of {self.job.world_size} ends"
+            )
+        else:
+            why = (
+                f"this stream for rank {self.rank} of job {self.job.name!r} was replaced by a newer "
+                "trainer process (a new Open for the same job and rank)"
+            )
+        return StreamAbortedError("failed_precondition", "fenced", why)
 
 
 class BatchServicer:
@@ -186,20 +235,25 @@ class BatchServicer:
             await _abort(context, exc)
             return
         key = (session.job.name, session.rank)
-        old = self._active.get(key)
+        for other_key, other in list(self._active.items()):
+            # the stream this one replaces, and every stream of the world an elastic resize ended
+            if other_key == key or (
+                other_key[0] == key[0] and other.job.fingerprint != session.job.fingerprint
+            ):
+                other.replaced = True
+                other.fail(other._fenced())
+                del self._active[other_key]
         self._active[key] = session
-        if old is not None:
-            old.replaced = True
-            old.fail(
-                StreamAbortedError(
-                    "failed_precondition",
-                    "fenced",
-                    f"this stream for rank {session.rank} of job {session.job.name!r} was replaced by a "
-                    "newer trainer process (a new Open for the same job and rank)",
-                )
-            )
         reader = asyncio.create_task(self._read(requests, session))
         try:
+            yield codec.encode_stream_start(
+                generation=session.generation,
+                incarnation=session.job.incarnation,
+                epoch=session.sent.epoch,
+                step=session.sent.step,
+                schedule_fingerprint=session.job.fingerprint,
+                world_size=session.job.world_size,
+            )
             async for frame in self._send(session):
                 yield frame
         except LadleError as exc:
@@ -239,22 +293,40 @@ class BatchServicer:
             )
         if self._stopping:
             raise StreamAbortedError("unavailable", "shutting_down", "the batch server is shutting down")
-        job = self.registry.open(o.job, o.world_size)
+        given = Position(o.start.epoch, o.start.step) if o.HasField("start") else None
+        checkpoint = None
+        if given is not None and o.HasField("schedule_fingerprint"):
+            checkpoint = (given, o.schedule_fingerprint)
+        job = self.registry.open(o.job, o.world_size, elastic=o.elastic, checkpoint=checkpoint)
         job.check_rank(o.rank, o.world_size)
         if o.HasField("schedule_fingerprint") and o.schedule_fingerprint != job.fingerprint:
-            raise StreamAbortedError(
-                "failed_precondition",
-                "schedule_mismatch",
-                f"the client expects schedule {o.schedule_fingerprint} but job {job.name!r} follows "
-                f"{job.fingerprint} (another dataset, config, world size or ladle version)",
-                "open.schedule_fingerprint",
-            )
+            moved = job.translate(o.schedule_fingerprint, given) if given is not None else None
+            if moved is None:
+                raise StreamAbortedError(
+                    "failed_precondition",
+                    "schedule_mismatch",
+                    f"the client expects schedule {o.schedule_fingerprint} but job {job.name!r} follows "
+                    f"{job.fingerprint} (another dataset, config, world size, resize or ladle version)",
+                    "open.schedule_fingerprint",
+                )
+            given = moved  # a checkpoint of the world before an elastic resize, taken at its cut
         joined = job.join(o.rank)
-        if o.HasField("start"):
-            start = job.normalise(Position(o.start.epoch, o.start.step))
+        start = job.normalise(given if given is not None else joined.position)
+        lost = self._lost_writes(o, job, joined.generation)
+        if lost:
+            generation = max(joined.generation, o.resume.generation + 1)
+            joined = job.store.reconcile(job.name, o.rank, generation, start)
+            log.warning(
+                "job %s rank %d: the cursor store lost recent writes (%s); reconciled from the "
+                "reconnecting trainer's position %s, generation %d",
+                job.name,
+                o.rank,
+                lost,
+                start,
+                generation,
+            )
+        elif given is not None:
             joined = job.store.rewind(job.name, o.rank, joined.generation, start)
-        else:
-            start = job.normalise(joined.position)
         log.info(
             "stream open: job=%s rank=%d/%d generation=%d start=%s client=%s",
             job.name,
@@ -267,6 +339,17 @@ class BatchServicer:
         session = _Session(job, o.rank, joined.generation, start, o.prefetch)
         session.stored = joined.position
         return session
+
+    @staticmethod
+    def _lost_writes(o: pb.Open, job: Job, generation: int) -> str:
+        """Why a reconnecting client shows that the store lost writes ('' if it does not)."""
+        if not o.HasField("resume"):
+            return ""
+        if o.resume.incarnation and o.resume.incarnation != job.incarnation:
+            return f"the job is incarnation {job.incarnation}, the trainer knew {o.resume.incarnation}"
+        if generation <= o.resume.generation:
+            return f"it issued generation {generation} after the trainer's {o.resume.generation}"
+        return ""
 
     async def _read(self, requests: AsyncIterator[pb.StreamRequest], session: _Session) -> None:
         """Apply the client's Acks and Credits until its half of the stream ends."""

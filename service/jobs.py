@@ -10,25 +10,98 @@ stored: the state in the store is a few integers per rank.
 from __future__ import annotations
 
 import hashlib
+import logging
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
+from types import MappingProxyType
 
 import numpy as np
 import numpy.typing as npt
 
 from .dataset import TokenDataset
-from .errors import ConfigError, WorldSizeMismatchError
-from .schedule import ALGORITHM_VERSION, Schedule, ScheduleConfig, build_schedule
-from .store.base import CursorStore, JobSpec, JobState, Position, RankState
+from .errors import ConfigError, ScheduleError, WorldSizeMismatchError
+from .schedule import ALGORITHM_VERSION, Dropped, Schedule, ScheduleConfig, build_schedule
+from .store.base import (
+    CursorStore,
+    JobSpec,
+    JobState,
+    Position,
+    RankState,
+    Resize,
+    plan_to_json,
+    resize_start,
+)
 
-__all__ = ["BatchRef", "Job", "JobRegistry", "schedule_fingerprint"]
+log = logging.getLogger("ladle.server")
+
+__all__ = ["BatchRef", "Job", "JobRegistry", "plan_schedule", "schedule_fingerprint"]
 
 
-def schedule_fingerprint(dataset_fp: str, config_fp: str, world_size: int) -> str:
-    """Names the schedule every epoch of a job follows (changes with any input or the algorithm)."""
+def schedule_fingerprint(
+    dataset_fp: str, config_fp: str, world_size: int, plan: tuple[Resize, ...] = ()
+) -> str:
+    """Names the schedule every epoch of a job follows (changes with any input, resize or the algorithm)."""
     text = f"ladle-schedule:v{ALGORITHM_VERSION}:{dataset_fp}:{config_fp}:{world_size}"
+    if plan:
+        text += ":resized:" + plan_to_json(plan)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _merge(a: Dropped, b: Dropped) -> Dropped:
+    reasons = {**a.by_reason}
+    for reason, rows in b.by_reason.items():
+        reasons[reason] = np.concatenate([reasons[reason], rows]) if reason in reasons else rows
+    return Dropped(MappingProxyType(reasons))
+
+
+def plan_schedule(
+    lengths: npt.NDArray[np.integer],
+    config: ScheduleConfig,
+    epoch: int,
+    world_size: int,
+    plan: tuple[Resize, ...] = (),
+) -> Schedule:
+    """The schedule of ``epoch`` for a job whose world size changed along ``plan`` (PRODUCT.md guarantee 7).
+
+    Without a resize it is ``build_schedule``. Each resize re-plans the epoch
+    it cuts through: the rows the old world had not consumed when it stopped
+    (each old rank up to its own position in the cut) are scheduled afresh,
+    deterministically, for the new world size, with the epoch's bucket edges.
+    An epoch the old world had finished keeps its schedule (history: no new
+    rank is ever in it); an epoch it had not begun is planned for the new
+    world as usual. A remainder too small to give every new rank a batch is
+    dropped and reported (``Dropped`` reason ``remainder``), like any other.
+    """
+    sizes = [r.world_size for r in plan] + [world_size]
+    sched = build_schedule(lengths, config, epoch=epoch, world_size=sizes[0])
+    bounds = tuple(sched.bounds)
+    replanned = False
+    for resize, size in zip(plan, sizes[1:], strict=True):
+        steps = np.array(
+            [sched.num_steps if p.epoch > epoch else p.step if p.epoch == epoch else 0 for p in resize.cut],
+            dtype=np.int64,
+        )
+        if (steps >= sched.num_steps).all():
+            continue  # the old world finished this epoch
+        rows: npt.NDArray[np.int64] | None = None
+        if steps.any():
+            rows = np.setdiff1d(sched.scheduled_rows(), sched.rows_before(steps))
+        elif replanned:
+            rows = np.sort(sched.scheduled_rows())
+        prior = sched.dropped
+        if rows is None:
+            sched = build_schedule(lengths, config, epoch=epoch, world_size=size)
+            continue
+        try:
+            sched = build_schedule(lengths, config, epoch=epoch, world_size=size, rows=rows, bounds=bounds)
+        except ScheduleError:  # fewer rows left than one step needs
+            sched = Schedule.empty(
+                config, epoch, size, bounds, len(lengths), Dropped(MappingProxyType({"remainder": rows}))
+            )
+        sched.dropped = _merge(prior, sched.dropped)
+        replanned = True
+    return sched
 
 
 @dataclass(frozen=True)
@@ -55,15 +128,25 @@ class Job:
     """One job's schedules and cursor operations (thread-safe)."""
 
     def __init__(
-        self, name: str, dataset: TokenDataset, config: ScheduleConfig, world_size: int, store: CursorStore
+        self,
+        name: str,
+        dataset: TokenDataset,
+        config: ScheduleConfig,
+        world_size: int,
+        store: CursorStore,
+        *,
+        plan: tuple[Resize, ...] = (),
+        incarnation: str = "",
     ) -> None:
         self.name = name
         self.dataset = dataset
         self.config = config
         self.world_size = world_size
         self.store = store
+        self.plan = plan
+        self.incarnation = incarnation
         self.spec = JobSpec(name, dataset.fingerprint, config.fingerprint(), world_size)
-        self.fingerprint = schedule_fingerprint(dataset.fingerprint, config.fingerprint(), world_size)
+        self.fingerprint = schedule_fingerprint(dataset.fingerprint, config.fingerprint(), world_size, plan)
         self._schedules: OrderedDict[int, Schedule] = OrderedDict()
         self._building: dict[int, threading.Event] = {}
         self._lock = threading.Lock()
@@ -86,7 +169,7 @@ class Job:
                     break
             pending.wait()  # another stream is building it; then look again
         try:
-            sched = build_schedule(self.dataset.lengths, self.config, epoch=epoch, world_size=self.world_size)
+            sched = plan_schedule(self.dataset.lengths, self.config, epoch, self.world_size, self.plan)
             with self._lock:
                 self._schedules[epoch] = sched
                 while len(self._schedules) > 3:
@@ -140,6 +223,29 @@ class Job:
         if not 0 <= rank < world_size:
             raise ConfigError("rank", f"{rank} is outside 0..{world_size - 1} (world_size={world_size})")
 
+    @property
+    def previous_fingerprint(self) -> str | None:
+        """The schedule fingerprint of this job before its latest resize (None if never resized)."""
+        if not self.plan:
+            return None
+        return schedule_fingerprint(
+            self.dataset.fingerprint, self.config.fingerprint(), self.plan[-1].world_size, self.plan[:-1]
+        )
+
+    def translate(self, fingerprint: str, position: Position) -> Position | None:
+        """Where a checkpoint of the world before the latest resize continues, or None if it cannot.
+
+        A checkpoint taken at the cut (every rank of a DDP job saves the same
+        step, and the resize was cut there) continues at the start of the
+        re-planned rest of the epoch.
+        """
+        if fingerprint != self.previous_fingerprint:
+            return None
+        cut = self.plan[-1].cut
+        if any(p != position for p in cut):
+            return None
+        return resize_start(cut)
+
     def join(self, rank: int) -> RankState:
         return self.store.join(self.name, rank, self.world_size)
 
@@ -157,19 +263,80 @@ class JobRegistry:
         self._jobs: dict[str, Job] = {}
         self._lock = threading.Lock()
 
-    def open(self, name: str, world_size: int, *, reset: bool = False) -> Job:
-        """The job ``name``, registered in the store with this server's identity if new."""
+    def open(
+        self,
+        name: str,
+        world_size: int,
+        *,
+        reset: bool = False,
+        elastic: bool = False,
+        checkpoint: tuple[Position, str] | None = None,
+    ) -> Job:
+        """The job ``name`` as the store has it, registered with this server's identity if new.
+
+        A job stored with another world size raises ``WorldSizeMismatchError``
+        unless ``elastic``: then it is resized (``resize``) and the rest of the
+        epoch re-planned. ``checkpoint`` is (position, schedule fingerprint) of
+        the trainer asking; when it names the job's current schedule, the cut
+        is that position for every old rank, else the stored cursors.
+        A job that the store lost is created again with the incarnation and
+        resize history this server knew of it.
+        """
         if world_size < 1:
             raise ConfigError("world_size", f"must be at least 1, got {world_size}")
-        with self._lock:
-            job = self._jobs.get(name)
-            if job is not None and job.world_size == world_size and not reset:
-                return job
-            stored = self.store.open_job(
-                JobSpec(name, self.dataset.fingerprint, self.config.fingerprint(), world_size), reset=reset
+        spec = JobSpec(name, self.dataset.fingerprint, self.config.fingerprint(), world_size)
+        known = self.get(name)
+        restore = known is not None and not reset
+        try:
+            state = self.store.open_job(
+                spec,
+                reset=reset,
+                incarnation=(known.incarnation or None) if restore and known else None,
+                plan=known.plan if restore and known else (),
             )
-            job = Job(name, self.dataset, self.config, stored.spec.world_size, self.store)
-            self._jobs[name] = job
+        except WorldSizeMismatchError as exc:
+            if not elastic:
+                raise
+            state = self._resize(name, exc.stored, world_size, checkpoint)
+        return self._job_for(state)
+
+    def _resize(
+        self, name: str, old_size: int, new_size: int, checkpoint: tuple[Position, str] | None
+    ) -> JobState:
+        old = self._job_for(self.store.get(name))
+        cut = None
+        if checkpoint is not None and checkpoint[1] == old.fingerprint and old.world_size == old_size:
+            cut = (old.normalise(checkpoint[0]),) * old_size
+        state = self.store.resize(name, old_size, new_size, cut)
+        if state.plan and len(state.plan) > len(old.plan):
+            log.warning(
+                "job %s resized from %d to %d ranks; the rest of the epoch is re-planned from %s (%s)",
+                name,
+                old_size,
+                new_size,
+                resize_start(state.plan[-1].cut),
+                "a checkpoint's position" if cut is not None else "the stored cursors",
+            )
+        return state
+
+    def _job_for(self, state: JobState) -> Job:
+        with self._lock:
+            job = self._jobs.get(state.job)
+            if job is None or (job.world_size, job.plan, job.incarnation) != (
+                state.spec.world_size,
+                state.plan,
+                state.incarnation,
+            ):
+                job = Job(
+                    state.job,
+                    self.dataset,
+                    self.config,
+                    state.spec.world_size,
+                    self.store,
+                    plan=state.plan,
+                    incarnation=state.incarnation,
+                )
+                self._jobs[state.job] = job
             return job
 
     def get(self, name: str) -> Job | None:

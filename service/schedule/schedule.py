@@ -147,13 +147,52 @@ class Schedule:
 
     def scheduled_rows(self) -> I64:
         """Every row that is in some batch of this epoch (unsorted, each once)."""
-        start = self._packed.start[self.batch_ids.ravel()]
-        size = self._packed.size[self.batch_ids.ravel()]
+        return self._rows_of(self.batch_ids.ravel())
+
+    def rows_before(self, steps: npt.ArrayLike) -> I64:
+        """The rows of every rank's batches before its own step ``steps[rank]`` (unsorted, each once).
+
+        What a world that stopped with rank r at step ``steps[r]`` has consumed
+        of this epoch; steps past the end count as the whole epoch.
+        """
+        counts = np.minimum(np.asarray(steps, dtype=np.int64), self.num_steps)
+        if counts.shape != (self.world_size,) or (counts < 0).any():
+            raise ValueError(f"steps: expected {self.world_size} non-negative steps, got {counts.tolist()}")
+        taken = np.arange(self.num_steps)[:, None] < counts[None, :]
+        return self._rows_of(self.batch_ids[taken])
+
+    def _rows_of(self, batch_ids: I64) -> I64:
+        start = self._packed.start[batch_ids]
+        size = self._packed.size[batch_ids]
         if len(start) == 0:
             return np.empty(0, dtype=np.int64)
         offsets = np.repeat(start - np.r_[0, np.cumsum(size)[:-1]], size)
         out: I64 = self._packed.rows[np.arange(int(size.sum())) + offsets].astype(np.int64)
         return out
+
+    @classmethod
+    def empty(
+        cls,
+        config: ScheduleConfig,
+        epoch: int,
+        world_size: int,
+        bounds: tuple[int, ...],
+        num_rows: int,
+        dropped: Dropped,
+    ) -> Schedule:
+        """An epoch with no step (the rest of an epoch too small to give every rank a batch)."""
+        none = np.empty(0, dtype=np.int64)
+        packed = Packed(none, none, none, none, none, none)
+        return cls(
+            config=config,
+            epoch=epoch,
+            world_size=world_size,
+            bounds=bounds,
+            num_rows=num_rows,
+            packed=packed,
+            batch_ids=np.empty((0, world_size), dtype=np.int64),
+            dropped=dropped,
+        )
 
     def content_hash(self) -> str:
         """A hash of every batch's rows, in step and rank order (golden tests, replicas)."""
@@ -218,9 +257,21 @@ def resolve_bounds(lengths: npt.ArrayLike, config: ScheduleConfig) -> tuple[int,
 
 
 def build_schedule(
-    lengths: npt.ArrayLike, config: ScheduleConfig, *, epoch: int = 0, world_size: int = 1
+    lengths: npt.ArrayLike,
+    config: ScheduleConfig,
+    *,
+    epoch: int = 0,
+    world_size: int = 1,
+    rows: npt.ArrayLike | None = None,
+    bounds: tuple[int, ...] | None = None,
 ) -> Schedule:
-    """The schedule of ``epoch`` for ``world_size`` ranks over samples of these lengths."""
+    """The schedule of ``epoch`` for ``world_size`` ranks over samples of these lengths.
+
+    ``rows`` (sorted, unique row indices) limits the epoch to those rows: the
+    rest of an epoch re-planned for a new world size (``service.jobs``).
+    ``bounds`` overrides the bucket edges ``config`` would resolve (a re-plan
+    keeps the epoch's edges even when they are ``auto``).
+    """
     if not isinstance(world_size, int | np.integer) or world_size < 1:
         raise ConfigError("world_size", f"must be a positive integer, got {world_size!r}")
     if not isinstance(epoch, int | np.integer) or epoch < 0:
@@ -232,27 +283,38 @@ def build_schedule(
     num_rows = len(lens)
     dropped: dict[str, I64] = {}
 
-    over = lens > config.max_seq_len
-    rows: I64 | None = None  # None: every row, in order
+    subset: I64 | None = None  # None: every row, in order
     cut: npt.NDArray[np.integer] = lens
+    if rows is not None:
+        subset = np.asarray(rows, dtype=np.int64)
+        if subset.ndim != 1 or (subset.size and (subset[0] < 0 or subset[-1] >= num_rows)):
+            raise ScheduleError(f"rows: expected sorted row indices in 0..{num_rows - 1}")
+        if subset.size > 1 and not bool((np.diff(subset) > 0).all()):
+            raise ScheduleError("rows: expected sorted, unique row indices")
+        cut = lens[subset]
+    over = cut > config.max_seq_len
     if over.any():
         if config.overlong == "error":
-            bad = np.flatnonzero(over)
+            bad = np.flatnonzero(over) if subset is None else subset[over]
             raise OverlongSampleError(len(bad), bad[:5].tolist(), config.max_seq_len)
         if config.overlong == "drop":
-            dropped["overlong"] = np.flatnonzero(over)
-            rows = np.flatnonzero(~over)
-            cut = lens[rows]
+            dropped["overlong"] = np.flatnonzero(over) if subset is None else subset[over]
+            subset = np.flatnonzero(~over) if subset is None else subset[~over]
+            cut = lens[subset]
         else:
-            cut = np.minimum(lens, config.max_seq_len)
+            cut = np.minimum(cut, config.max_seq_len)
     del over
     if len(cut) == 0:
         raise ScheduleError("every sample was dropped as over-long; nothing to schedule")
 
-    bounds = resolve_bounds(cut, config) if config.bucket_bounds == "auto" else tuple(config.bucket_bounds)
+    if bounds is None:
+        bounds = (
+            resolve_bounds(cut, config) if config.bucket_bounds == "auto" else tuple(config.bucket_bounds)
+        )
     num_buckets = len(bounds) - 1
     bucket_ids = assign_buckets(cut, bounds)
-    packed = pack(rows, cut, bucket_ids, num_buckets, config, epoch, num_rows)
+    packed = pack(subset, cut, bucket_ids, num_buckets, config, epoch, num_rows)
+    candidates = len(cut)
     del cut
     del bucket_ids
     packed, lost = fit_to_world(
@@ -267,7 +329,7 @@ def build_schedule(
         dropped["remainder"] = lost
     if packed.num_batches == 0:
         raise ScheduleError(
-            f"no complete step: {num_rows - len(dropped.get('overlong', ()))} row(s) cannot give "
+            f"no complete step: {candidates} row(s) cannot give "
             f"each of {world_size} ranks a batch"
             + (" of one bucket (rank_mode='sync')" if config.rank_mode == "sync" else "")
         )
