@@ -127,7 +127,7 @@ def test_a_remainder_smaller_than_a_step_is_dropped_and_reported() -> None:
 
 def test_rows_before_checks_its_input() -> None:
     sched = build_schedule(np.arange(1, 200, dtype=np.int64), config_for("mixed", "split"), world_size=2)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="non-negative steps"):
         sched.rows_before(np.array([1, 2, 3]))
     assert len(sched.rows_before(np.array([0, 0]))) == 0
     assert np.array_equal(
