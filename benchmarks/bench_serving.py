@@ -109,14 +109,14 @@ def _sleep_until(when: float) -> None:
 class _Ladle:
     """One ``ladle serve`` child on 127.0.0.1 with the default (production) config."""
 
-    def __init__(self, dataset: Path, workdir: Path, name: str) -> None:
+    def __init__(self, dataset: Path, workdir: Path, name: str, extra: tuple[str, ...] = ()) -> None:
         self.log = workdir / f"{name}.log"
         ready = workdir / f"{name}.ready"
         ready.unlink(missing_ok=True)  # a stale one would name another server's port
         cmd = [
             str(Path(sys.executable).with_name("ladle")), "serve", str(dataset), "--host", "127.0.0.1",
             "--grpc-port", "0", "--ready-file", str(ready), "--state", str(workdir / f"{name}-state.db"),
-            "--log-level", "WARNING",
+            "--log-level", "WARNING", *extra,
         ]  # fmt: skip
         with self.log.open("ab") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)

@@ -1,9 +1,9 @@
 """Run every benchmark and print its figures beside their baselines.
 
-``python -m benchmarks.run`` (quick: 1M lengths, serving a 0.4 GB dataset) or
-``--full`` (10M lengths, the sizes the issues' targets name; serving 1 GB and
-a 4.1 GB dataset for the server's memory; the wire-layout comparison). Results are JSON on stdout and a
-short table on stderr.
+``python -m benchmarks.run`` (quick: 1M lengths, serving a 0.4 GB dataset, 1.5 s per
+cursor-store case) or ``--full`` (10M lengths, the sizes the issues' targets name; serving 1 GB and
+a 4.1 GB dataset for the server's memory; the wire-layout comparison; three 5 s rounds per store case).
+Results are JSON on stdout and a short table on stderr.
 """
 
 from __future__ import annotations
@@ -11,7 +11,15 @@ from __future__ import annotations
 import json
 import sys
 
-from benchmarks import bench_assemble, bench_dataset, bench_schedule, bench_serving, bench_wire
+from benchmarks import (
+    bench_assemble,
+    bench_dataset,
+    bench_roundtrips,
+    bench_schedule,
+    bench_serving,
+    bench_store,
+    bench_wire,
+)
 
 
 def main(argv: list[str]) -> int:
@@ -21,6 +29,8 @@ def main(argv: list[str]) -> int:
         "dataset": bench_dataset.bench_make_dataset(1_000_000 if full else 100_000),
         "serving": bench_serving.main(full),
         "assemble": bench_assemble.main(50_000 if full else 20_000),
+        "store": bench_store.main(full),
+        "roundtrips": bench_roundtrips.main(full),
     }
     if full:  # the transport comparison behind the frame layout (about 7 minutes)
         results["wire"] = bench_wire.main([])
@@ -49,6 +59,10 @@ def main(argv: list[str]) -> int:
             file=sys.stderr,
         )
     for line in bench_serving.summary(results["serving"]):
+        print(line, file=sys.stderr)
+    for line in bench_store.summary(results["store"]):
+        print(line, file=sys.stderr)
+    for line in bench_roundtrips.summary(results["roundtrips"]):
         print(line, file=sys.stderr)
     return 0
 

@@ -1,4 +1,4 @@
-"""The ``ladle`` command line: ``plan`` and ``make-dataset`` (``serve`` and ``demo`` come later).
+"""The ``ladle`` command line: ``plan``, ``serve``, ``demo``, ``jobs`` and ``make-dataset``.
 
 Every command takes the same schedule options, from flags or a TOML file
 (``--config``; flags win). Errors a user can cause print one line and exit 2.
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -18,6 +19,11 @@ from .schedule import ScheduleConfig, build_schedule
 from .schedule.stats import LossFigures, Quality, bucket_table, quality, simulate_loss, summary
 
 __all__ = ["build_parser", "main"]
+
+# The Redis URL may carry a password: it is read from the environment rather
+# than typed on a command line that `ps` shows, and never printed unredacted.
+REDIS_URL_ENV = "LADLE_REDIS_URL"
+DEFAULT_STATE = ".ladle/state.db"
 
 
 def _add_config_options(parser: argparse.ArgumentParser) -> None:
@@ -65,8 +71,22 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("dataset", help="a dataset folder written by save_to_disk")
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     serve.add_argument("--grpc-port", type=int, default=50051, help="0 picks a free port")
-    serve.add_argument("--state", default=".ladle/state.db", help="the embedded cursor store file")
+    serve.add_argument("--state", default=DEFAULT_STATE, help="the embedded cursor store file")
+    _add_store_options(serve)
+    serve.add_argument(
+        "--job-ttl",
+        type=float,
+        default=7 * 86400.0,
+        metavar="SECONDS",
+        help="Redis forgets a job nobody touched for this long; 0 keeps jobs forever (default: 7 days)",
+    )
     serve.add_argument("--max-streams", type=int, default=64, help="open trainer streams at most")
+    serve.add_argument(
+        "--ack-flush-ms",
+        type=float,
+        default=50.0,
+        help="write acknowledged positions to the store at most this often per stream (0: every ack)",
+    )
     serve.add_argument("--grace", type=float, default=5.0, help="seconds open streams get at shutdown")
     serve.add_argument("--ready-file", help="write host:port here once serving (for scripts and tests)")
     serve.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
@@ -77,6 +97,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     _demo_arguments(demo)
     _add_config_options(demo)
+
+    jobs = sub.add_parser("jobs", help="list the jobs in a cursor store, or delete some")
+    where = jobs.add_mutually_exclusive_group()
+    where.add_argument("--state", help=f"the embedded cursor store file (default: {DEFAULT_STATE})")
+    _add_store_options(where)
+    jobs.add_argument("--json", action="store_true", help="machine-readable output, every rank included")
+    jobs.add_argument(
+        "--delete", nargs="+", metavar="NAME", help="delete these jobs (exit 1 if one is unknown)"
+    )
 
     make = sub.add_parser("make-dataset", help="write a synthetic tokenized dataset (production length mix)")
     make.add_argument("out", help="folder to create")
@@ -96,6 +125,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _make_dataset(args)
         if args.command == "serve":
             return _serve(args)
+        if args.command == "jobs":
+            return _jobs(args)
         if args.command == "demo":
             from .demo import run_demo
 
@@ -118,10 +149,115 @@ def _serve(args: argparse.Namespace) -> int:
         host=args.host,
         grpc_port=args.grpc_port,
         state=args.state,
+        redis_url=_redis_url(args),
+        job_ttl_s=args.job_ttl,
         max_streams=args.max_streams,
+        ack_flush_s=args.ack_flush_ms / 1000,
         grace=args.grace,
     )
     return serve_forever(server, ready_file=args.ready_file)
+
+
+def _add_store_options(parser: argparse.ArgumentParser | argparse._MutuallyExclusiveGroup) -> None:
+    parser.add_argument(
+        "--redis-url",
+        metavar="URL",
+        help=f"keep cursors in Redis: redis://[:password@]host:port/db, rediss:// (TLS) or unix:// "
+        f"(default: ${REDIS_URL_ENV}, else the embedded --state file)",
+    )
+
+
+def _redis_url(args: argparse.Namespace) -> str | None:
+    """``--redis-url``, else ``$LADLE_REDIS_URL`` unless ``--state`` was given; None: the embedded store."""
+    if args.redis_url:
+        return str(args.redis_url)
+    if getattr(args, "state", None) and args.command == "jobs":
+        return None
+    return os.environ.get(REDIS_URL_ENV) or None
+
+
+def _jobs(args: argparse.Namespace) -> int:
+    from .errors import StoreUnavailableError
+    from .store import DEFAULT_JOB_TTL_S, open_store
+
+    url = _redis_url(args)
+    state = args.state or DEFAULT_STATE
+    if url is None and not os.path.exists(state):
+        raise StoreUnavailableError(f"no cursor store at {state} (give --state FILE or --redis-url URL)")
+    with open_store(redis_url=url, state_path=state, job_ttl_s=DEFAULT_JOB_TTL_S) as store:
+        if args.delete:
+            deleted = [name for name in args.delete if store.delete_job(name)]
+            missing = [name for name in args.delete if name not in deleted]
+            if args.json:
+                print(json.dumps({"deleted": deleted, "not_found": missing}))
+            for name in [] if args.json else deleted:
+                print(f"deleted job {name!r}")
+            for name in missing:
+                print(f"ladle: error: job {name!r} not found in {store!r}", file=sys.stderr)
+            return 1 if missing else 0
+        jobs = store.list_jobs()
+        if args.json:
+            print(json.dumps([job_summary(job) for job in jobs], indent=2))
+        elif not jobs:
+            print(f"no jobs in {store!r}")
+        else:
+            print(format_jobs(jobs))
+    return 0
+
+
+def job_summary(job: Any) -> dict[str, Any]:
+    """One job of ``ladle jobs --json``: its identity, the spread of its ranks, and every rank."""
+    positions = [r.position for r in job.ranks]
+    generations = [r.generation for r in job.ranks]
+    return {
+        "job": job.job,
+        "world_size": job.spec.world_size,
+        "dataset_fingerprint": job.spec.dataset_fingerprint,
+        "config_fingerprint": job.spec.config_fingerprint,
+        "min_position": [min(positions).epoch, min(positions).step],
+        "max_position": [max(positions).epoch, max(positions).step],
+        "generations": [min(generations), max(generations)],
+        "created": job.created,
+        "updated": job.updated,
+        "incarnation": job.incarnation,
+        "resizes": len(job.plan),
+        "ranks": [
+            {
+                "rank": r.rank,
+                "epoch": r.position.epoch,
+                "step": r.position.step,
+                "generation": r.generation,
+                "last_seen": r.last_seen,
+            }
+            for r in job.ranks
+        ],
+    }
+
+
+def format_jobs(jobs: Sequence[Any]) -> str:
+    """The table ``ladle jobs`` prints: one row per job, positions as ``epoch:step``, times in UTC."""
+    rows = []
+    for job in jobs:
+        doc = job_summary(job)
+        low, high = doc["generations"]
+        rows.append(
+            [
+                job.job,
+                str(job.spec.world_size),
+                "{}:{}".format(*doc["min_position"]),
+                "{}:{}".format(*doc["max_position"]),
+                str(low) if low == high else f"{low}..{high}",
+                time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(job.updated)),
+                job.incarnation,
+                str(len(job.plan)),
+            ]
+        )
+    header = ["job", "world", "min pos", "max pos", "generations", "updated (UTC)", "incarnation", "resizes"]
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(header, widths, strict=True)).rstrip()]
+    lines.append("  ".join("-" * w for w in widths))
+    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
+    return "\n".join(lines)
 
 
 def _make_dataset(args: argparse.Namespace) -> int:

@@ -155,8 +155,8 @@ class JobMismatchError(StoreError):
         detail = "; ".join(f"{f} differs: stored {old!r}, given {new!r}" for f, old, new in differences)
         super().__init__(
             f"job {job!r} exists with another identity ({detail}); refusing to resume it on other "
-            "data or another schedule config. Use a new job name, or open it with reset=True to "
-            "start it over from the beginning"
+            "data or another schedule config. Use a new job name, or start it over from the "
+            f"beginning: `ladle jobs --delete {job}` (or open_job(..., reset=True))"
         )
 
     @property
@@ -177,8 +177,8 @@ class WorldSizeMismatchError(StoreError):
         self.given = given
         super().__init__(
             f"job {job!r} runs with world_size={stored}, but world_size={given} was given; "
-            "changing a job's world size is not supported yet: start every trainer with "
-            f"world_size={stored}, or use a new job name"
+            f"start every trainer with world_size={stored}, or resume the job with the new size "
+            "on purpose: BatchClient(..., elastic=True) re-plans the rest of the epoch for it"
         )
 
     def __reduce__(self) -> tuple[type[WorldSizeMismatchError], tuple[str, int, int]]:

@@ -82,8 +82,17 @@ async def _abort(context: Any, exc: BaseException) -> None:
 class _Session:
     """The state one Stream shares between its sender and its request reader (one event loop)."""
 
-    def __init__(self, job: Job, rank: int, generation: int, start: Position, credits: int) -> None:
+    def __init__(
+        self,
+        job: Job,
+        rank: int,
+        generation: int,
+        start: Position,
+        credits: int,
+        flush_every: float = ACK_FLUSH_SECONDS,
+    ) -> None:
         self.job = job
+        self.flush_every = flush_every
         self.rank = rank
         self.generation = generation
         self.wake = asyncio.Event()
@@ -102,12 +111,12 @@ class _Session:
         self.wake.set()
 
     def flush(self, *, force: bool = False) -> None:
-        """Write the acknowledged position to the store if it moved (at most every ACK_FLUSH_SECONDS)."""
+        """Write the acknowledged position to the store if it moved (at most every ``flush_every`` s)."""
         target = self.acked
         if target <= self.stored or self.replaced:
             return
         now = time.monotonic()
-        if not force and now - self.last_flush < ACK_FLUSH_SECONDS:
+        if not force and now - self.last_flush < self.flush_every:
             return
         self.last_flush = now
         store, name = self.job.store, self.job.name
@@ -170,7 +179,17 @@ class _Session:
 class BatchServicer:
     """Serves every job of one dataset and config; register with ``handler()`` on a grpc.aio server."""
 
-    def __init__(self, registry: JobRegistry, assembler: Assembler, *, max_prefetch: int = 64) -> None:
+    def __init__(
+        self,
+        registry: JobRegistry,
+        assembler: Assembler,
+        *,
+        max_prefetch: int = 64,
+        ack_flush_s: float = ACK_FLUSH_SECONDS,
+    ) -> None:
+        if ack_flush_s < 0:
+            raise ConfigError("ack_flush_s", f"must be >= 0, got {ack_flush_s}")
+        self.ack_flush_s = ack_flush_s
         self.registry = registry
         self.assembler = assembler
         self.max_prefetch = max_prefetch
@@ -336,7 +355,7 @@ class BatchServicer:
             start,
             o.client_id or "-",
         )
-        session = _Session(job, o.rank, joined.generation, start, o.prefetch)
+        session = _Session(job, o.rank, joined.generation, start, o.prefetch, self.ack_flush_s)
         session.stored = joined.position
         return session
 

@@ -25,10 +25,10 @@ from ladle.proto import rpc
 from .assemble import Assembler
 from .dataset import open_dataset
 from .errors import ConfigError
-from .grpc_server import BatchServicer
+from .grpc_server import ACK_FLUSH_SECONDS, BatchServicer
 from .jobs import JobRegistry
 from .schedule import ScheduleConfig
-from .store.embedded import EmbeddedStore
+from .store import DEFAULT_JOB_TTL_S, CursorStore, open_store
 
 __all__ = ["DEFAULT_STATE", "BatchServer", "serve_forever"]
 
@@ -57,7 +57,10 @@ class BatchServer:
         host: str = "127.0.0.1",
         grpc_port: int = 50051,
         state: str | Path = DEFAULT_STATE,
+        redis_url: str | None = None,
+        job_ttl_s: float = DEFAULT_JOB_TTL_S,
         max_streams: int = 64,
+        ack_flush_s: float = ACK_FLUSH_SECONDS,
         grace: float = 5.0,
     ) -> None:
         if not 0 <= grpc_port <= 65535:
@@ -69,11 +72,15 @@ class BatchServer:
         self.host = host
         self.requested_port = grpc_port
         self.state_path = Path(state)
+        # The cursor store: Redis when a URL is given (shared by every replica), else the file.
+        self.redis_url = redis_url
+        self.job_ttl_s = job_ttl_s
         self.max_streams = max_streams
+        self.ack_flush_s = ack_flush_s
         self.grace = grace
         self.port = 0
         self._server: Any = None
-        self._store: EmbeddedStore | None = None
+        self._store: CursorStore | None = None
         self._servicer: BatchServicer | None = None
         self._health: Any = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -86,14 +93,15 @@ class BatchServer:
 
     def start(self) -> BatchServer:
         dataset = open_dataset(self.dataset_path)
-        self.state_path.parent.mkdir(parents=True, exist_ok=True)
-        self._store = EmbeddedStore(self.state_path)
+        self._store = open_store(
+            redis_url=self.redis_url, state_path=self.state_path, job_ttl_s=self.job_ttl_s
+        )
         registry = JobRegistry(dataset, self.config, self._store)
         # Build epoch 0 now: a bad config fails at start-up, not on the first trainer.
         from .schedule import build_schedule
 
         build_schedule(dataset.lengths, self.config, epoch=0, world_size=1)
-        self._servicer = BatchServicer(registry, Assembler(dataset))
+        self._servicer = BatchServicer(registry, Assembler(dataset), ack_flush_s=self.ack_flush_s)
         # The asyncio server runs on its own event loop thread.
         self._loop = asyncio.new_event_loop()
         self._loop_thread = threading.Thread(
@@ -101,7 +109,8 @@ class BatchServer:
         )
         self._loop_thread.start()
         asyncio.run_coroutine_threadsafe(self._start(), self._loop).result()
-        log.info("serving %s on %s (state %s)", self.dataset_path, self.address, self.state_path)
+        # The store's repr names its file or its Redis URL with the password redacted.
+        log.info("serving %s on %s (store %r)", self.dataset_path, self.address, self._store)
         return self
 
     async def _start(self) -> None:

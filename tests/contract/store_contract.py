@@ -77,6 +77,8 @@ class WorkerResult:
     final: Position
     shared_generations: list[int]
     errors: list[str] = field(default_factory=list)
+    # (began, ended, generation) of each join of the shared rank, on the system-wide monotonic clock
+    claims: list[tuple[float, float, int]] = field(default_factory=list)
 
 
 def advance_and_join(
@@ -91,8 +93,22 @@ def advance_and_join(
             result.errors.append(f"advance {i + 1} of rank {rank} returned {state}")
         result.final = state.position
         if i % join_every == 0:
-            result.shared_generations.append(store.join(job, shared_rank, world_size).generation)
+            began = time.monotonic()
+            claimed = store.join(job, shared_rank, world_size).generation
+            result.claims.append((began, time.monotonic(), claimed))
+            result.shared_generations.append(claimed)
     return result
+
+
+def check_real_time_order(claims: list[tuple[float, float, int]]) -> None:
+    """A claim that ended before another began holds the smaller number (linearizable claims)."""
+    by_end = sorted(claims, key=lambda c: c[1])
+    ended, highest = 0, 0
+    for began, _, number in sorted(claims):
+        while ended < len(by_end) and by_end[ended][1] < began:
+            highest = max(highest, by_end[ended][2])
+            ended += 1
+        assert highest < number, f"claim {number} began after claim {highest} had ended, yet is not larger"
 
 
 def process_worker(
@@ -643,6 +659,7 @@ class StoreContract:
                 f"lost update: rank {w} is not at step {steps}"
             )
             assert state.ranks[w].generation == 1
+        check_real_time_order([c for r in done for c in r.claims])
         generations = sorted(g for r in done for g in r.shared_generations)
         joins = workers * len(range(0, steps, join_every))
         assert generations == list(range(1, joins + 1)), "concurrent joins returned duplicate generations"
@@ -813,7 +830,15 @@ class StoreContract:
 
     # --- the whole contract against a model ---------------------------------
 
-    @settings(suppress_health_check=[*settings().suppress_health_check, HealthCheck.function_scoped_fixture])
+    # Every store's subclass runs this one test in the same session (differing executors): the
+    # subclass only supplies the store fixture, so examples replayed across stores stay valid.
+    @settings(
+        suppress_health_check=[
+            *settings().suppress_health_check,
+            HealthCheck.function_scoped_fixture,
+            HealthCheck.differing_executors,
+        ]
+    )
     @given(ops=st.lists(OPS, max_size=40))
     def test_matches_the_model(self, store: CursorStore, clock: ManualClock, ops: list[Op]) -> None:
         for job in store.list_jobs():

@@ -19,7 +19,7 @@ from ladle.service.dataset import open_dataset
 from ladle.service.jobs import plan_schedule
 from ladle.service.store import EmbeddedStore
 
-from .test_serving import CONFIG, Factory, consume
+from .test_serving import CONFIG, Factory, consume, drain
 
 JOB = "elastic"
 
@@ -42,11 +42,6 @@ def run_world(
         for client in clients:
             client.close()
     return rows, checkpoint
-
-
-def drain(it: Any, most: int) -> None:
-    for _ in range(most):
-        next(it)
 
 
 def test_4_then_3_then_6_ranks_deliver_every_row_once(

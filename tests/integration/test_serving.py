@@ -54,6 +54,12 @@ def consume(client: BatchClient, limit: int | None = None) -> list[dict[str, Any
     return out
 
 
+def drain(it: Any, most: int) -> None:
+    """Take up to ``most`` batches (a test that expects the stream to fail on the way)."""
+    for _ in range(most):
+        next(it)
+
+
 def check_rank_stream(dataset: Path, sched: Schedule, rank: int, got: list[dict[str, Any]]) -> None:
     table = open_dataset(dataset).table
     assert [b["step"] for b in got] == list(range(sched.num_steps)), (

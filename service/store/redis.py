@@ -1,0 +1,629 @@
+"""The Redis cursor store: every job in two hashes, every operation one Lua script.
+
+Each mutating operation is one Lua script (run with EVALSHA, reloaded after a
+Redis restart flushed the script cache), so check-and-set is atomic for any
+number of servers on any hosts; the trade-off is that the typed refusals are
+raised here, in Python, from what the script read (Lua cannot raise them), so
+the scripts return status codes, never errors.
+
+Layout, under a namespace (``ladle`` by default) with the job name as a Redis
+Cluster hash tag so that all of a job's keys share one slot:
+
+* ``ladle:{run-42}:job``: a hash of ``dataset_fingerprint``,
+  ``config_fingerprint``, ``world_size``, ``created``, ``updated``,
+  ``incarnation`` and ``plan`` (``base.plan_to_json``);
+* ``ladle:{run-42}:ranks``: a hash with one field per rank (``"3"``) holding
+  ``"epoch,step,generation,last_seen"``.
+
+Integers travel as decimal strings and are compared in Lua as doubles, exact
+up to ``MAX_INDEX`` (2**53 - 1); times are written as Python's ``repr`` of the
+float and read back bit for bit. Every successful write refreshes a TTL of
+``job_ttl_s`` on both keys, so a job nobody touches for that long disappears
+(``0`` keeps jobs forever). Durability is Redis's: run it with
+``appendonly yes`` (``deploy/redis.conf``); a Redis that lost recent writes
+is detected and reconciled by the jobs layer (``FencedError`` with a
+generation above the stored one, a lost job's ``incarnation``).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any, Final, NoReturn
+from urllib.parse import quote, unquote, urlsplit
+
+import redis
+import redis.exceptions as rex
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from ..errors import ConfigError, JobNotFoundError, StoreError, StoreUnavailableError, WorldSizeMismatchError
+from . import DEFAULT_JOB_TTL_S
+from .base import (
+    Clock,
+    CursorStore,
+    JobSpec,
+    JobState,
+    Position,
+    RankState,
+    Resize,
+    check_forward,
+    check_generation,
+    check_identity,
+    plan_from_json,
+    plan_to_json,
+    rank_outside,
+)
+
+__all__ = ["RedisCursorStore", "redact_url", "redis_client"]
+
+_NAMESPACE = re.compile(r"[A-Za-z0-9._-]{1,100}")
+
+# --- the scripts ---------------------------------------------------------------
+# KEYS[1] is the job hash, KEYS[2] the ranks hash. Every script returns a table
+# whose first element is a status; the last ARGV of each writer is the TTL in
+# milliseconds (0: persist). Numbers leave Lua as strings (string.format('%d')
+# is exact to 2**53; tostring is not).
+
+_LUA_HELPERS: Final = """
+local function parse(v)
+  return string.match(v, '^(%d+),(%d+),(%d+),(.+)$')
+end
+local function touch(ttl)
+  if tonumber(ttl) > 0 then
+    redis.call('PEXPIRE', KEYS[1], ttl)
+    redis.call('PEXPIRE', KEYS[2], ttl)
+  else
+    redis.call('PERSIST', KEYS[1])
+    redis.call('PERSIST', KEYS[2])
+  end
+end
+local function fill(world_size, value)
+  local args = {}
+  for r = 0, world_size - 1 do
+    args[#args + 1] = string.format('%d', r)
+    args[#args + 1] = value
+    if #args >= 2000 then
+      redis.call('HSET', KEYS[2], unpack(args))
+      args = {}
+    end
+  end
+  if #args > 0 then redis.call('HSET', KEYS[2], unpack(args)) end
+end
+local function fields(flat)
+  local map = {}
+  for i = 1, #flat, 2 do map[flat[i]] = flat[i + 1] end
+  return map
+end
+"""
+
+# ARGV: reset, dataset_fingerprint, config_fingerprint, world_size, now, incarnation, plan, ttl
+_OPEN: Final = (
+    _LUA_HELPERS
+    + """
+if ARGV[1] == '1' then redis.call('DEL', KEYS[1], KEYS[2]) end
+local job = redis.call('HGETALL', KEYS[1])
+if #job > 0 then
+  local f = fields(job)
+  if f.dataset_fingerprint == ARGV[2] and f.config_fingerprint == ARGV[3] and f.world_size == ARGV[4] then
+    touch(ARGV[8])
+  end
+  return {'exists', job, redis.call('HGETALL', KEYS[2])}
+end
+redis.call('HSET', KEYS[1], 'dataset_fingerprint', ARGV[2], 'config_fingerprint', ARGV[3],
+  'world_size', ARGV[4], 'created', ARGV[5], 'updated', ARGV[5], 'incarnation', ARGV[6], 'plan', ARGV[7])
+fill(tonumber(ARGV[4]), '0,0,0,' .. ARGV[5])
+touch(ARGV[8])
+return {'created'}
+"""
+)
+
+# ARGV: rank, world_size, now, ttl
+_JOIN: Final = (
+    _LUA_HELPERS
+    + """
+local world_size = redis.call('HGET', KEYS[1], 'world_size')
+if not world_size then return {'missing'} end
+if world_size ~= ARGV[2] then return {'world_size', world_size} end
+local value = redis.call('HGET', KEYS[2], ARGV[1])
+if not value then return {'rank', world_size} end
+local epoch, step, generation = parse(value)
+generation = string.format('%d', tonumber(generation) + 1)
+redis.call('HSET', KEYS[2], ARGV[1], epoch .. ',' .. step .. ',' .. generation .. ',' .. ARGV[3])
+redis.call('HSET', KEYS[1], 'updated', ARGV[3])
+touch(ARGV[4])
+return {'ok', epoch, step, generation}
+"""
+)
+
+# ARGV: rank, generation, epoch, step, now, mode (advance | rewind | reconcile), ttl
+_MOVE: Final = (
+    _LUA_HELPERS
+    + """
+local world_size = redis.call('HGET', KEYS[1], 'world_size')
+if not world_size then return {'missing'} end
+local value = redis.call('HGET', KEYS[2], ARGV[1])
+if not value then return {'rank', world_size} end
+local epoch, step, current = parse(value)
+local given, stored = tonumber(ARGV[2]), tonumber(current)
+if stored ~= given and not (ARGV[6] == 'reconcile' and stored < given) then
+  return {'fenced', current}
+end
+if ARGV[6] == 'advance' then
+  local to_epoch, to_step = tonumber(ARGV[3]), tonumber(ARGV[4])
+  local at_epoch, at_step = tonumber(epoch), tonumber(step)
+  if to_epoch < at_epoch or (to_epoch == at_epoch and to_step < at_step) then
+    return {'regression', epoch, step}
+  end
+end
+redis.call('HSET', KEYS[2], ARGV[1], ARGV[3] .. ',' .. ARGV[4] .. ',' .. ARGV[2] .. ',' .. ARGV[5])
+redis.call('HSET', KEYS[1], 'updated', ARGV[5])
+touch(ARGV[7])
+return {'ok'}
+"""
+)
+
+# ARGV: from_world_size, to_world_size, cut entry JSON ('' = the stored cursors), its start epoch, now, ttl
+_RESIZE: Final = (
+    _LUA_HELPERS
+    + """
+local job = redis.call('HGETALL', KEYS[1])
+if #job == 0 then return {'missing'} end
+local f = fields(job)
+if f.world_size == ARGV[2] then
+  touch(ARGV[6])
+  return {'same', job, redis.call('HGETALL', KEYS[2])}
+end
+if f.world_size ~= ARGV[1] then return {'world_size', f.world_size} end
+local ranks = fields(redis.call('HGETALL', KEYS[2]))
+local top, cut, start = 0, {}, nil
+for r = 0, tonumber(ARGV[1]) - 1 do
+  local epoch, step, generation = parse(ranks[string.format('%d', r)])
+  if tonumber(generation) > top then top = tonumber(generation) end
+  cut[#cut + 1] = '[' .. epoch .. ',' .. step .. ']'
+  if start == nil or tonumber(epoch) < tonumber(start) then start = epoch end
+end
+local entry = ARGV[3]
+if entry == '' then
+  entry = '[' .. ARGV[1] .. ',[' .. table.concat(cut, ',') .. ']]'
+else
+  start = ARGV[4]
+end
+local plan = f.plan
+if plan == '[]' then plan = '[' .. entry .. ']' else plan = string.sub(plan, 1, -2) .. ',' .. entry .. ']' end
+local generation = string.format('%d', top + 1)
+redis.call('DEL', KEYS[2])
+fill(tonumber(ARGV[2]), start .. ',0,' .. generation .. ',' .. ARGV[5])
+redis.call('HSET', KEYS[1], 'world_size', ARGV[2], 'plan', plan, 'updated', ARGV[5])
+touch(ARGV[6])
+return {'ok', job, plan, generation, start}
+"""
+)
+
+_GET: Final = """
+local job = redis.call('HGETALL', KEYS[1])
+if #job == 0 then return false end
+return {job, redis.call('HGETALL', KEYS[2])}
+"""
+
+_DELETE: Final = """
+local existed = redis.call('DEL', KEYS[1])
+redis.call('DEL', KEYS[2])
+return existed
+"""
+
+
+def redact_url(url: str) -> str:
+    """``url`` with its password (in the userinfo or a ``password=`` query value) replaced by ``***``."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return "<unparsable Redis URL>"
+    netloc = parts.netloc
+    if "@" in netloc:
+        userinfo, _, hostinfo = netloc.rpartition("@")
+        if ":" in userinfo:
+            user = userinfo.split(":", 1)[0]
+            netloc = f"{user}:***@{hostinfo}"
+    query = re.sub(r"(?i)(^|&)(password=)[^&]*", r"\1\2***", parts.query)
+    # Rebuilt by hand: urlunsplit drops the empty authority of unix:///path.
+    text = f"{parts.scheme}://{netloc}{parts.path}" if parts.scheme else url
+    if query:
+        text += f"?{query}"
+    return text + (f"#{parts.fragment}" if parts.fragment else "")
+
+
+def _url_password(url: str) -> str | None:
+    """The password in ``url``, if any (to scrub it from any text that might echo it)."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return None
+    if parts.password:
+        return unquote(parts.password)
+    match = re.search(r"(?i)(?:^|&)password=([^&]*)", parts.query)
+    return unquote(match.group(1)) if match and match.group(1) else None
+
+
+def redis_client(
+    url: str, *, socket_timeout_s: float = 5.0, max_connections: int | None = None
+) -> redis.Redis:
+    """The redis-py client a ``RedisCursorStore`` uses for ``url`` (no connection is made yet).
+
+    Strings are decoded; connecting and every reply wait at most
+    ``socket_timeout_s``; a failed command is never retried (a script that
+    reached Redis before the connection broke must not run twice). RESP2, the
+    protocol every Redis (and compatible server) speaks, unless the URL asks
+    for ``?protocol=3``: the scripts return only arrays and strings. Query
+    options of the URL (``?ssl_cert_reqs=none``, ``?db=``...) are redis-py's.
+    ``ValueError`` for a URL redis-py cannot parse.
+    """
+    return redis.Redis.from_url(
+        url,
+        decode_responses=True,
+        socket_timeout=socket_timeout_s,
+        socket_connect_timeout=socket_timeout_s,
+        retry=Retry(NoBackoff(), 0),
+        protocol=2,
+        max_connections=max_connections,
+        client_name="ladle",
+    )
+
+
+def _ms(seconds: float) -> int:
+    return max(1, math.ceil(seconds * 1000)) if seconds > 0 else 0
+
+
+def _rank_state(rank: int, value: str) -> RankState:
+    epoch, step, generation, last_seen = value.split(",")
+    return RankState(rank, Position(int(epoch), int(step)), int(generation), float(last_seen))
+
+
+def _fields(flat: list[str]) -> dict[str, str]:
+    return dict(zip(flat[::2], flat[1::2], strict=True))
+
+
+def _spec(job: str, fields: dict[str, str], world_size: int | None = None) -> JobSpec:
+    return JobSpec(
+        job,
+        fields["dataset_fingerprint"],
+        fields["config_fingerprint"],
+        int(fields["world_size"]) if world_size is None else world_size,
+    )
+
+
+def _job_state(job: str, job_flat: list[str], ranks_flat: list[str]) -> JobState:
+    fields = _fields(job_flat)
+    ranks = sorted((int(rank), value) for rank, value in _fields(ranks_flat).items())
+    return JobState(
+        _spec(job, fields),
+        tuple(_rank_state(rank, value) for rank, value in ranks),
+        float(fields["created"]),
+        float(fields["updated"]),
+        fields["incarnation"],
+        plan_from_json(fields["plan"]),
+    )
+
+
+class RedisCursorStore(CursorStore):
+    """A ``CursorStore`` in Redis, shared by any number of threads, processes and hosts.
+
+    ``url`` is ``redis://[[user]:password@]host:port/db``, ``rediss://`` (TLS)
+    or ``unix:///path/to.sock?db=N``; redis-py parses it and uses hiredis when
+    it is installed. The constructor pings Redis, so a wrong password or an
+    unreachable server fails at start-up with ``StoreUnavailableError``
+    within ``socket_timeout_s``; later, a Redis that is down makes each call
+    fail the same way (after at most one connect attempt, never a retry
+    loop: a script that reached Redis before the connection broke must not
+    run twice). Messages and ``repr`` name the URL with its password
+    redacted.
+
+    One connection pool per store object, safe for threads; a forked child
+    reconnects (redis-py replaces a pool inherited through fork) and a
+    pickled store reopens from its URL and options.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        clock: Clock = time.time,
+        namespace: str = "ladle",
+        job_ttl_s: float = DEFAULT_JOB_TTL_S,
+        socket_timeout_s: float = 5.0,
+        max_connections: int | None = None,
+    ) -> None:
+        super().__init__(clock=clock)
+        if not isinstance(url, str) or not url:
+            raise ConfigError("redis_url", f"must be a redis://, rediss:// or unix:// URL, got {url!r}")
+        if not isinstance(namespace, str) or _NAMESPACE.fullmatch(namespace) is None:
+            raise ConfigError(
+                "namespace", f"must be 1..100 characters of A-Z a-z 0-9 . _ -, got {namespace!r}"
+            )
+        if not isinstance(job_ttl_s, int | float) or not math.isfinite(job_ttl_s) or job_ttl_s < 0:
+            raise ConfigError("job_ttl_s", f"must be a number of seconds >= 0 (0: never), got {job_ttl_s!r}")
+        if not isinstance(socket_timeout_s, int | float) or not socket_timeout_s > 0:
+            raise ConfigError("socket_timeout_s", f"must be > 0, got {socket_timeout_s!r}")
+        self._url = url
+        self.url = redact_url(url)
+        self._password = _url_password(url)
+        self.namespace = namespace
+        self.job_ttl_s = float(job_ttl_s)
+        self.socket_timeout_s = float(socket_timeout_s)
+        self.max_connections = max_connections
+        self._ttl = str(_ms(self.job_ttl_s))
+        self._closed = False
+        self._close_lock = threading.Lock()
+        try:
+            self._redis = redis_client(
+                url, socket_timeout_s=self.socket_timeout_s, max_connections=max_connections
+            )
+        except (ValueError, TypeError) as exc:
+            raise ConfigError("redis_url", f"{self.url}: {self._scrub(str(exc))}") from None
+        self._open_script = self._redis.register_script(_OPEN)
+        self._join_script = self._redis.register_script(_JOIN)
+        self._move_script = self._redis.register_script(_MOVE)
+        self._resize_script = self._redis.register_script(_RESIZE)
+        self._get_script = self._redis.register_script(_GET)
+        self._delete_script = self._redis.register_script(_DELETE)
+        try:
+            self._ping()
+        except BaseException:
+            self.close()
+            raise
+
+    def __repr__(self) -> str:
+        return f"RedisCursorStore({self.url!r}, namespace={self.namespace!r})"
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # A store crosses to another process as its URL and options; the child connects afresh.
+        return (
+            _reopen,
+            (
+                self._url,
+                self._clock,
+                self.namespace,
+                self.job_ttl_s,
+                self.socket_timeout_s,
+                self.max_connections,
+            ),
+        )
+
+    # --- keys, calls and errors ----------------------------------------------
+
+    def _keys(self, job: str) -> list[str]:
+        prefix = f"{self.namespace}:{{{job}}}:"
+        return [prefix + "job", prefix + "ranks"]
+
+    def _scrub(self, text: str) -> str:
+        if self._password:
+            text = text.replace(self._password, "***").replace(quote(self._password, safe=""), "***")
+        return text
+
+    def _unavailable(self, exc: rex.RedisError) -> StoreError:
+        """The ladle error for a redis-py error: ``StoreUnavailableError`` unless Redis rejected a script."""
+        message = self._scrub(str(exc))
+        first = message.split(" ", 1)[0]
+        if isinstance(exc, rex.AuthenticationWrongNumberOfArgsError) or "without any password configured" in (
+            message
+        ):
+            return StoreUnavailableError(
+                f"cursor store {self.url}: the URL gives a password but this Redis has none configured "
+                "(no requirepass); remove it from the URL or configure it on the server"
+            )
+        if isinstance(exc, rex.AuthenticationError) or first in ("WRONGPASS", "NOAUTH"):
+            return StoreUnavailableError(
+                f"cursor store {self.url}: Redis refused the password ({message}); "
+                "check the password in the Redis URL"
+            )
+        if isinstance(exc, rex.NoPermissionError) or first == "NOPERM":
+            return StoreUnavailableError(
+                f"cursor store {self.url}: the Redis user lacks a permission: {message}"
+            )
+        if isinstance(exc, rex.ConnectionError | rex.TimeoutError):
+            return StoreUnavailableError(f"cursor store {self.url} cannot be reached: {message}")
+        if isinstance(exc, rex.ReadOnlyError | rex.OutOfMemoryError) or first in (
+            "READONLY",
+            "OOM",
+            "MISCONF",
+            "BUSY",
+            "MASTERDOWN",
+            "LOADING",
+            "TRYAGAIN",
+            "CLUSTERDOWN",
+        ):
+            return StoreUnavailableError(f"cursor store {self.url} cannot take this operation now: {message}")
+        return StoreError(f"cursor store {self.url}: Redis refused an operation: {message}")
+
+    @contextmanager
+    def _client(self) -> Iterator[redis.Redis]:
+        """The client, with every redis-py error turned into a ladle error (password scrubbed)."""
+        if self._closed:
+            raise StoreUnavailableError(f"cursor store {self.url} is closed")
+        try:
+            yield self._redis
+        except rex.RedisError as exc:
+            raise self._unavailable(exc) from None
+
+    def _run(self, script: Any, job: str, *args: str) -> Any:
+        with self._client():
+            return script(keys=self._keys(job), args=args)
+
+    # --- the hooks, one script each --------------------------------------------
+
+    def _open_job(
+        self, spec: JobSpec, *, reset: bool, incarnation: str, plan: tuple[Resize, ...]
+    ) -> JobState:
+        now = self._now()
+        reply = self._run(
+            self._open_script,
+            spec.job,
+            "1" if reset else "0",
+            spec.dataset_fingerprint,
+            spec.config_fingerprint,
+            str(spec.world_size),
+            repr(now),
+            incarnation,
+            plan_to_json(plan),
+            self._ttl,
+        )
+        if reply[0] == "exists":
+            state = _job_state(spec.job, reply[1], reply[2])
+            check_identity(state.spec, spec)
+            return state
+        ranks = tuple(RankState(rank, Position(0, 0), 0, now) for rank in range(spec.world_size))
+        return JobState(spec, ranks, now, now, incarnation, plan)
+
+    def _resize(
+        self, job: str, from_world_size: int, to_world_size: int, cut: tuple[Position, ...] | None
+    ) -> JobState:
+        now = self._now()
+        entry, start = "", ""
+        if cut is not None:
+            entry = plan_to_json((Resize(from_world_size, cut),))[1:-1]
+            start = str(min(p.epoch for p in cut))  # base.resize_start, computed where the cut is known
+        reply = self._run(
+            self._resize_script,
+            job,
+            str(from_world_size),
+            str(to_world_size),
+            entry,
+            start,
+            repr(now),
+            self._ttl,
+        )
+        status = reply[0]
+        if status == "missing":
+            raise JobNotFoundError(job)
+        if status == "same":
+            return _job_state(job, reply[1], reply[2])
+        if status == "world_size":
+            raise WorldSizeMismatchError(job, int(reply[1]), from_world_size)
+        fields = _fields(reply[1])
+        plan, generation, at = reply[2], int(reply[3]), Position(int(reply[4]), 0)
+        return JobState(
+            _spec(job, fields, to_world_size),
+            tuple(RankState(rank, at, generation, now) for rank in range(to_world_size)),
+            float(fields["created"]),
+            now,
+            fields["incarnation"],
+            plan_from_json(plan),
+        )
+
+    def _join(self, job: str, rank: int, world_size: int) -> RankState:
+        now = self._now()
+        reply = self._run(self._join_script, job, str(rank), str(world_size), repr(now), self._ttl)
+        status = reply[0]
+        if status == "missing":
+            raise JobNotFoundError(job)
+        if status == "world_size":
+            raise WorldSizeMismatchError(job, int(reply[1]), world_size)
+        if status == "rank":
+            raise rank_outside(rank, int(reply[1]))
+        return RankState(rank, Position(int(reply[1]), int(reply[2])), int(reply[3]), now)
+
+    def _move(self, job: str, rank: int, generation: int, to: Position, mode: str) -> RankState:
+        now = self._now()
+        reply = self._run(
+            self._move_script,
+            job,
+            str(rank),
+            str(generation),
+            str(to.epoch),
+            str(to.step),
+            repr(now),
+            mode,
+            self._ttl,
+        )
+        status = reply[0]
+        if status == "missing":
+            raise JobNotFoundError(job)
+        if status == "rank":
+            raise rank_outside(rank, int(reply[1]))
+        if status == "fenced":
+            check_generation(job, rank, generation, int(reply[1]))
+        if status == "regression":
+            check_forward(job, rank, Position(int(reply[1]), int(reply[2])), to)
+        if status != "ok":
+            self._unexpected(mode, reply)
+        return RankState(rank, to, generation, now)
+
+    def _unexpected(self, what: str, reply: Any) -> NoReturn:
+        raise StoreError(f"cursor store {self.url}: unexpected reply to {what}: {reply!r}")
+
+    def _advance(self, job: str, rank: int, generation: int, to: Position) -> RankState:
+        return self._move(job, rank, generation, to, "advance")
+
+    def _rewind(self, job: str, rank: int, generation: int, to: Position) -> RankState:
+        return self._move(job, rank, generation, to, "rewind")
+
+    def _reconcile(self, job: str, rank: int, generation: int, to: Position) -> RankState:
+        return self._move(job, rank, generation, to, "reconcile")
+
+    def _get(self, job: str) -> JobState:
+        reply = self._run(self._get_script, job)
+        if reply is None:
+            raise JobNotFoundError(job)
+        return _job_state(job, reply[0], reply[1])
+
+    def _list_jobs(self) -> list[JobState]:
+        """Every job of this namespace: SCAN for job keys, then read them all in one MULTI/EXEC.
+
+        The read is one snapshot of the jobs the scan found; a job created
+        during the scan may be missing. On a Redis Cluster this client
+        (``redis.Redis``) scans only the node it is connected to.
+        """
+        head, tail = f"{self.namespace}:{{", "}:job"
+        with self._client() as client:
+            names = sorted(
+                {
+                    key[len(head) : -len(tail)]
+                    for key in client.scan_iter(match=f"{head}*{tail}", count=1000)
+                    if key.startswith(head) and key.endswith(tail)
+                }
+            )
+            if not names:
+                return []
+            pipe = client.pipeline(transaction=True)
+            for name in names:
+                self._get_script(keys=self._keys(name), client=pipe)
+            replies = pipe.execute()
+        return [_job_state(name, r[0], r[1]) for name, r in zip(names, replies, strict=True) if r is not None]
+
+    def _delete_job(self, job: str) -> bool:
+        return bool(self._run(self._delete_script, job))
+
+    def _ping(self) -> None:
+        with self._client() as client:
+            client.ping()
+
+    def close(self) -> None:
+        with self._close_lock:
+            if self._closed:
+                return
+            self._closed = True
+        client: redis.Redis | None = getattr(self, "_redis", None)
+        if client is not None:
+            client.close()
+
+
+def _reopen(
+    url: str,
+    clock: Clock,
+    namespace: str,
+    job_ttl_s: float,
+    socket_timeout_s: float,
+    max_connections: int | None,
+) -> RedisCursorStore:
+    return RedisCursorStore(
+        url,
+        clock=clock,
+        namespace=namespace,
+        job_ttl_s=job_ttl_s,
+        socket_timeout_s=socket_timeout_s,
+        max_connections=max_connections,
+    )

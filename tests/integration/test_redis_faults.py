@@ -1,0 +1,222 @@
+"""Shared state in a real redis-server: crashes, lost writes and replicas (PRODUCT.md guarantees 6-8).
+
+Every test starts its own redis-server on a free port and its own ``ladle
+serve`` processes, and stops them all, pass or fail. A trainer here is a real
+process (``trainer_proc.py``) that checkpoints after every batch; a crash of
+anything (kill -9 of a batch server, a trainer, or Redis with its AOF) must
+leave every rank's record of batches equal to the uninterrupted schedule.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from ladle.client import BatchClient, FencedError
+from ladle.service.schedule import Schedule
+
+from .test_serving import Factory, consume, drain, reference
+
+TRAINER = Path(__file__).with_name("trainer_proc.py")
+WORLD = 2
+# CI runs a short form; LADLE_FAULT_EXAMPLES=50 for a soak
+FAULT_EXAMPLES = int(os.environ.get("LADLE_FAULT_EXAMPLES", "4"))
+
+
+class Trainers:
+    """``WORLD`` trainer processes of one job, each checkpointing to its own file."""
+
+    def __init__(self, workdir: Path, server: str, job: str, delay: float = 0.01) -> None:
+        self.workdir, self.server, self.job, self.delay = workdir, server, job, delay
+        self.procs: dict[int, subprocess.Popen[bytes]] = {}
+        for rank in range(WORLD):
+            self.start(rank)
+
+    def checkpoint(self, rank: int) -> Path:
+        return self.workdir / f"{self.job}-rank{rank}.json"
+
+    def start(self, rank: int) -> None:
+        log = (self.workdir / f"{self.job}-rank{rank}.log").open("ab")
+        cmd = [sys.executable, str(TRAINER), self.server, self.job, str(rank), str(WORLD)]
+        cmd += [str(self.checkpoint(rank)), "--delay", str(self.delay)]
+        self.procs[rank] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+
+    def kill(self, rank: int) -> None:
+        self.procs[rank].kill()
+        self.procs[rank].wait(timeout=30)
+
+    def records(self, rank: int) -> list[list[int]]:
+        path = self.checkpoint(rank)
+        if not path.exists():
+            return []
+        for _ in range(50):
+            try:
+                records: list[list[int]] = json.loads(path.read_text())["records"]
+                return records
+            except (json.JSONDecodeError, FileNotFoundError):  # replaced while we read
+                time.sleep(0.01)
+        raise AssertionError(f"cannot read {path}")
+
+    def wait_for(self, rank: int, count: int, timeout: float = 60) -> None:
+        deadline = time.monotonic() + timeout
+        while len(self.records(rank)) < count:
+            assert time.monotonic() < deadline, f"rank {rank} made no progress: {self.log(rank)}"
+            time.sleep(0.01)
+
+    def log(self, rank: int) -> str:
+        return (self.workdir / f"{self.job}-rank{rank}.log").read_text(errors="replace")[-3000:]
+
+    def finish(self, timeout: float = 120) -> None:
+        deadline = time.monotonic() + timeout
+        for rank, proc in self.procs.items():
+            try:
+                proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                raise AssertionError(f"rank {rank} did not finish: {self.log(rank)}") from None
+            assert proc.returncode == 0, f"rank {rank} exited {proc.returncode}: {self.log(rank)}"
+
+    def stop(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(timeout=30)
+
+
+def expected(sched: Schedule, rank: int) -> list[list[int]]:
+    return [[0, step, *sched.samples(step, rank).tolist()] for step in range(sched.num_steps)]
+
+
+def redis_args(url: str) -> list[str]:
+    return ["--redis-url", url]
+
+
+@settings(
+    max_examples=FAULT_EXAMPLES,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(victim=st.sampled_from(["server", "trainer", "redis"]), at=st.integers(1, 40))
+def test_a_crash_anywhere_changes_no_rank_stream(
+    victim: str,
+    at: int,
+    redis_server_factory: Callable[..., Any],
+    server_factory: Factory,
+    small_dataset: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    workdir = tmp_path_factory.mktemp("faults")
+    redis = redis_server_factory(appendonly=True, appendfsync="always")
+    server = server_factory(extra=redis_args(redis.url))
+    trainers = Trainers(workdir, server.address, f"fault-{victim}-{at}")
+    try:
+        sched = reference(small_dataset, WORLD)
+        trainers.wait_for(0, min(at, sched.num_steps - 1))
+        if victim == "server":
+            server.kill()
+            server.start()  # same port: the trainers reconnect
+        elif victim == "trainer":
+            trainers.kill(0)
+            trainers.start(0)  # loads its last checkpoint
+        else:
+            redis.restart(kill=True)  # kill -9; the AOF (fsync always) brings the state back
+        trainers.finish()
+        for rank in range(WORLD):
+            assert trainers.records(rank) == expected(sched, rank), f"rank {rank}: stream differs ({victim})"
+    finally:
+        trainers.stop()
+
+
+def test_a_redis_that_lost_everything_is_reconciled_from_the_trainers(
+    redis_server_factory: Callable[..., Any], server_factory: Factory, small_dataset: Path, tmp_path: Path
+) -> None:
+    """No persistence: a restarted Redis has lost the job; the server notices and puts it back."""
+    redis = redis_server_factory(appendonly=False)
+    server = server_factory(extra=redis_args(redis.url))
+    trainers = Trainers(tmp_path, server.address, "lost", delay=0.02)
+    try:
+        sched = reference(small_dataset, WORLD)
+        trainers.wait_for(0, sched.num_steps // 3)
+        redis.restart(kill=True)  # comes back empty (no AOF, no RDB): the server recreates the job at once
+        trainers.finish()
+        for rank in range(WORLD):
+            assert trainers.records(rank) == expected(sched, rank), (
+                f"rank {rank}: a batch was replayed or lost"
+            )
+        assert "lost recent writes" in server.log_tail(), "the loss was not detected and logged"
+        # the store holds the trainers' positions again: a trainer without a checkpoint continues there
+        with BatchClient(0, WORLD, server.address, "lost", timeout=30) as client:
+            first = next(iter(client))
+            assert (first.epoch, first.step) == (1, 0)
+    finally:
+        trainers.stop()
+
+
+def test_three_replicas_one_killed_mid_epoch(
+    redis_server_factory: Callable[..., Any], server_factory: Factory, small_dataset: Path
+) -> None:
+    redis = redis_server_factory(appendonly=True)
+    replicas = [server_factory(extra=redis_args(redis.url)) for _ in range(3)]
+    addresses = ",".join(r.address for r in replicas)
+    world = 3
+    sched = reference(small_dataset, world)
+    half = sched.num_steps // 2
+    clients = [BatchClient(r, world, addresses, "replicas", timeout=30) for r in range(world)]
+    try:
+        got = {r: consume(c, half) for r, c in enumerate(clients)}
+        for client in clients:
+            client.state_dict()  # the batch each holds counts as consumed
+        replicas[1].kill()  # rank 1 was on replica 1 (rank % 3)
+        for rank, client in enumerate(clients):
+            got[rank] += consume(client)
+        assert clients[1].reconnects >= 1, "rank 1 did not fail over"
+        for rank in range(world):
+            steps = [b["step"] for b in got[rank]]
+            assert steps == list(range(sched.num_steps)), f"rank {rank}: a gap or a duplicate"
+            for b in got[rank]:
+                assert np.array_equal(b["sample_ids"], sched.samples(b["step"], rank))
+    finally:
+        for client in clients:
+            client.close()
+
+
+def test_a_replaced_trainer_is_fenced_across_replicas(
+    redis_server_factory: Callable[..., Any], server_factory: Factory
+) -> None:
+    """The old process streams from replica A; its replacement joins through replica B."""
+    redis = redis_server_factory()
+    a, b = (server_factory(extra=redis_args(redis.url)) for _ in range(2))
+    old = BatchClient(0, 1, a.address, "fenced", prefetch=1, timeout=10)
+    it = iter(old)
+    next(it)
+    new = BatchClient(0, 1, b.address, "fenced", timeout=10)
+    next(iter(new))
+    with pytest.raises(FencedError, match="replaced"):
+        drain(it, 5)  # its next acknowledgement is refused by the store
+    old.close()
+    new.close()
+
+
+def test_bad_redis_settings_fail_at_start_up(
+    redis_server_factory: Callable[..., Any], server_factory: Factory, small_dataset: Path, tmp_path: Path
+) -> None:
+    secured = redis_server_factory(password="right-password")
+    for url, words in (
+        (secured.url_for(password="wrong-password"), "password"),
+        ("redis://127.0.0.1:1/0", "127.0.0.1:1"),
+    ):
+        with pytest.raises(RuntimeError) as info:
+            server_factory(extra=redis_args(url))
+        assert words in str(info.value)
+        assert "wrong-password" not in str(info.value), "a password was printed"

@@ -1,0 +1,164 @@
+"""``ladle jobs`` (list, delete) on both stores, and the store options of ``ladle serve``."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from ladle.service import cli  # noqa: E402
+from ladle.service.store import CursorStore, EmbeddedStore, JobSpec, Position, RedisCursorStore  # noqa: E402
+from ladle.service.store.base import Resize  # noqa: E402
+from tests.support.redis_server import RedisServer  # noqa: E402
+
+T0 = 1_700_000_000.0
+
+
+class Target:
+    """One store to run ``ladle jobs`` against: the flags that name it and a handle to fill it."""
+
+    def __init__(self, flags: list[str], store: CursorStore) -> None:
+        self.flags = flags
+        self.store = store
+
+
+@pytest.fixture(params=["embedded", "redis"])
+def target(
+    request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[Target]:
+    monkeypatch.delenv(cli.REDIS_URL_ENV, raising=False)
+    store: CursorStore
+    if request.param == "embedded":
+        path = tmp_path / "state.db"
+        store = EmbeddedStore(path, clock=lambda: T0)
+        flags = ["--state", str(path)]
+    else:
+        server: RedisServer = request.getfixturevalue("redis_server")
+        store = RedisCursorStore(server.url, clock=lambda: T0)
+        flags = ["--redis-url", server.url]
+    with store:
+        yield Target(flags, store)
+
+
+def _fill(store: CursorStore) -> None:
+    store.open_job(JobSpec("run-b", "d", "c", 2), incarnation="feedbeef")
+    store.open_job(
+        JobSpec("run-a", "d", "c", 3), incarnation="abad1dea", plan=(Resize(1, (Position(0, 4),)),)
+    )
+    for rank, step in ((0, 5), (1, 9), (1, 12)):
+        generation = store.join("run-a", rank, 3).generation
+        store.advance("run-a", rank, generation, Position(1, step))
+
+
+def test_an_empty_store(target: Target, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["jobs", *target.flags]) == 0
+    assert "no jobs" in capsys.readouterr().out
+    assert cli.main(["jobs", *target.flags, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == []
+
+
+def test_the_table(target: Target, capsys: pytest.CaptureFixture[str]) -> None:
+    _fill(target.store)
+    assert cli.main(["jobs", *target.flags]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split()[:5] == ["job", "world", "min", "pos", "max"]
+    assert lines[2].split() == [
+        "run-a",
+        "3",
+        "0:0",
+        "1:12",
+        "0..2",
+        "2023-11-14",
+        "22:13:20",
+        "abad1dea",
+        "1",
+    ]
+    assert lines[3].split() == ["run-b", "2", "0:0", "0:0", "0", "2023-11-14", "22:13:20", "feedbeef", "0"]
+
+
+def test_the_json(target: Target, capsys: pytest.CaptureFixture[str]) -> None:
+    _fill(target.store)
+    assert cli.main(["jobs", *target.flags, "--json"]) == 0
+    docs = json.loads(capsys.readouterr().out)
+    assert [d["job"] for d in docs] == ["run-a", "run-b"]
+    a = docs[0]
+    assert a["world_size"] == 3
+    assert (a["min_position"], a["max_position"], a["generations"]) == ([0, 0], [1, 12], [0, 2])
+    assert (a["updated"], a["incarnation"], a["resizes"]) == (T0, "abad1dea", 1)
+    assert a["ranks"][1] == {"rank": 1, "epoch": 1, "step": 12, "generation": 2, "last_seen": T0}
+
+
+def test_delete(target: Target, capsys: pytest.CaptureFixture[str]) -> None:
+    _fill(target.store)
+    assert cli.main(["jobs", *target.flags, "--delete", "run-b"]) == 0
+    assert "deleted job 'run-b'" in capsys.readouterr().out
+    assert [j.job for j in target.store.list_jobs()] == ["run-a"]
+    # an unknown name: the others are still deleted, the exit status says one was not there
+    assert cli.main(["jobs", *target.flags, "--delete", "run-a", "no-such-job"]) == 1
+    out = capsys.readouterr()
+    assert "deleted job 'run-a'" in out.out
+    assert "job 'no-such-job' not found" in out.err
+    assert target.store.list_jobs() == []
+    assert cli.main(["jobs", *target.flags, "--delete", "gone", "--json"]) == 1
+    assert json.loads(capsys.readouterr().out) == {"deleted": [], "not_found": ["gone"]}
+
+
+def test_a_bad_job_name_is_a_usage_error(target: Target, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["jobs", *target.flags, "--delete", "has space"]) == 2
+    assert "job" in capsys.readouterr().err
+
+
+def test_a_missing_state_file_is_not_created(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "nothing.db"
+    assert cli.main(["jobs", "--state", str(path)]) == 2
+    assert "no cursor store at" in capsys.readouterr().err
+    assert not path.exists()
+
+
+def test_the_redis_url_comes_from_the_environment(
+    redis_server_factory: Callable[..., RedisServer],
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    server = redis_server_factory(password="pa55-Word")
+    with RedisCursorStore(server.url) as store:
+        _fill(store)
+    monkeypatch.setenv(cli.REDIS_URL_ENV, server.url)
+    assert cli.main(["jobs", "--json"]) == 0
+    assert [d["job"] for d in json.loads(capsys.readouterr().out)] == ["run-a", "run-b"]
+    monkeypatch.setenv(cli.REDIS_URL_ENV, server.url_for(password="wrong-pa55"))
+    assert cli.main(["jobs"]) == 2
+    out = capsys.readouterr()
+    assert "password" in out.err
+    assert "wrong-pa55" not in out.err + out.out, "the password leaked into the output"
+
+
+def test_serve_passes_the_store_options(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from ladle.service import server as server_module
+
+    seen: dict[str, Any] = {}
+
+    class FakeServer:
+        def __init__(self, dataset: str, config: Any, **kwargs: Any) -> None:
+            seen.update(kwargs)
+
+    monkeypatch.setattr(server_module, "BatchServer", FakeServer)
+    monkeypatch.setattr(server_module, "serve_forever", lambda server, ready_file=None: 0)
+    monkeypatch.delenv(cli.REDIS_URL_ENV, raising=False)
+    assert cli.main(["serve", str(tmp_path), "--redis-url", "redis://h:1/2", "--job-ttl", "60"]) == 0
+    assert (seen["redis_url"], seen["job_ttl_s"]) == ("redis://h:1/2", 60.0)
+    monkeypatch.setenv(cli.REDIS_URL_ENV, "redis://from-env:1/0")
+    assert cli.main(["serve", str(tmp_path)]) == 0
+    assert (seen["redis_url"], seen["job_ttl_s"]) == ("redis://from-env:1/0", 7 * 86400.0)
+    monkeypatch.delenv(cli.REDIS_URL_ENV)
+    assert cli.main(["serve", str(tmp_path), "--state", str(tmp_path / "s.db")]) == 0
+    assert seen["redis_url"] is None
+    assert seen["state"] == str(tmp_path / "s.db")

@@ -1,0 +1,438 @@
+"""The Redis cursor store: the whole store contract, plus what only a Redis server can show.
+
+Every test gets its own ``redis-server`` on a free loopback port
+(``tests/support/redis_server.py``, started in a few milliseconds), never the
+shared one on 6379. Tests are skipped where no ``redis-server`` is installed.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import multiprocessing
+import os
+import pickle
+import socket
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import redis
+from redis.crc import key_slot
+
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from ladle.service.errors import (  # noqa: E402
+    ConfigError,
+    FencedError,
+    JobNotFoundError,
+    StoreUnavailableError,
+)
+from ladle.service.store import (  # noqa: E402
+    Clock,
+    CursorStore,
+    EmbeddedStore,
+    JobSpec,
+    Position,
+    RedisCursorStore,
+    open_store,
+)
+from ladle.service.store.base import MAX_INDEX  # noqa: E402
+from ladle.service.store.redis import redact_url, redis_client  # noqa: E402
+from tests.contract.store_contract import SPEC, MakeStore, StoreContract, StoreFactory  # noqa: E402
+from tests.support.redis_server import RedisServer  # noqa: E402
+
+StartServer = Callable[..., RedisServer]
+PASSWORD = "s3cret-Pa55word"
+
+
+class TestRedisStore(StoreContract):
+    @pytest.fixture
+    def make_store(self, redis_server: RedisServer) -> Iterator[MakeStore]:
+        made: list[RedisCursorStore] = []
+
+        def make(clock: Clock) -> CursorStore:
+            made.append(RedisCursorStore(redis_server.url, clock=clock))
+            return made[-1]
+
+        yield make
+        for store in made:
+            store.close()
+
+    @pytest.fixture
+    def process_factory(self, redis_server: RedisServer) -> StoreFactory:
+        return functools.partial(RedisCursorStore, redis_server.url)
+
+
+# --- the layout in Redis --------------------------------------------------------
+
+
+def test_keys_live_under_the_namespace_and_the_jobs_hash_tag(redis_server: RedisServer) -> None:
+    with RedisCursorStore(redis_server.url, clock=lambda: 1234.5) as store, redis_server.client() as client:
+        store.open_job(SPEC)
+        generation = store.join(SPEC.job, 2, 4).generation
+        store.advance(SPEC.job, 2, generation, Position(3, 7))
+        assert sorted(client.keys("*")) == ["ladle:{run-42}:job", "ladle:{run-42}:ranks"]
+        job = client.hgetall("ladle:{run-42}:job")
+        assert {k: job[k] for k in ("dataset_fingerprint", "config_fingerprint", "world_size", "plan")} == {
+            "dataset_fingerprint": SPEC.dataset_fingerprint,
+            "config_fingerprint": SPEC.config_fingerprint,
+            "world_size": "4",
+            "plan": "[]",
+        }
+        assert float(job["created"]) == 1234.5
+        ranks = client.hgetall("ladle:{run-42}:ranks")
+        assert ranks == {"0": "0,0,0,1234.5", "1": "0,0,0,1234.5", "2": "3,7,1,1234.5", "3": "0,0,0,1234.5"}
+        # both keys hash to one cluster slot (the {run-42} tag)
+        assert key_slot(b"ladle:{run-42}:job") == key_slot(b"ladle:{run-42}:ranks") == key_slot(b"run-42")
+
+
+def test_namespaces_keep_stores_apart(redis_server: RedisServer) -> None:
+    with (
+        RedisCursorStore(redis_server.url) as a,
+        RedisCursorStore(redis_server.url, namespace="other") as b,
+    ):
+        a.open_job(SPEC)
+        assert b.list_jobs() == []
+        with pytest.raises(JobNotFoundError):
+            b.get(SPEC.job)
+        assert [j.job for j in a.list_jobs()] == [SPEC.job]
+    with pytest.raises(ConfigError) as info:
+        RedisCursorStore(redis_server.url, namespace="a{b}")
+    assert info.value.field == "namespace"
+
+
+def test_integers_to_2_53_and_float_times_round_trip_exactly(redis_server: RedisServer) -> None:
+    times = itertools.chain([0.1 + 0.2, 1e-300, 1.7976931348623157e308], itertools.repeat(1.7e9 + 1 / 3))
+    with RedisCursorStore(redis_server.url, clock=lambda: next(times)) as store:
+        store.open_job(SPEC)
+        top = Position(MAX_INDEX, MAX_INDEX)
+        assert store.reconcile(SPEC.job, 1, MAX_INDEX, top).position == top
+        assert store.advance(SPEC.job, 1, MAX_INDEX, top).last_seen == 1.7976931348623157e308
+        state = store.get(SPEC.job)
+        assert state.ranks[1].position == top
+        assert state.ranks[1].generation == MAX_INDEX
+        assert state.ranks[0].last_seen == 0.1 + 0.2
+        assert state.updated == 1.7976931348623157e308
+        with pytest.raises(FencedError) as info:
+            store.advance(SPEC.job, 1, MAX_INDEX - 1, top)
+        assert info.value.current == MAX_INDEX, "a generation near 2**53 must not be rounded"
+        resized = store.resize(SPEC.job, 4, 2)
+        assert resized.updated == 1.7e9 + 1 / 3
+        assert resized.plan[0].cut[1] == top
+        assert resized.ranks[0].generation == MAX_INDEX + 1
+
+
+def test_a_large_world_size(redis_server: RedisServer) -> None:
+    with RedisCursorStore(redis_server.url) as store:
+        big = JobSpec("big", "d", "c", 65536)
+        began = time.perf_counter()
+        assert len(store.open_job(big).ranks) == 65536
+        assert len(store.get("big").ranks) == 65536
+        assert store.join("big", 65535, 65536).generation == 1
+        state = store.resize("big", 65536, 3)
+        assert len(state.plan[0].cut) == 65536
+        assert state.ranks[2].generation == 2
+        assert time.perf_counter() - began < 10
+
+
+# --- TTL ------------------------------------------------------------------------
+
+
+def test_writes_set_and_refresh_the_ttl(redis_server: RedisServer) -> None:
+    keys = ("ladle:{run-42}:job", "ladle:{run-42}:ranks")
+    with RedisCursorStore(redis_server.url, job_ttl_s=100) as store, redis_server.client() as client:
+        store.open_job(SPEC)
+        for key in keys:
+            assert 99_000 < client.pttl(key) <= 100_000, f"{key} has no TTL after open_job"
+        generation = store.join(SPEC.job, 0, 4).generation
+        writes: list[Callable[[], object]] = [
+            lambda: store.advance(SPEC.job, 0, generation, Position(0, 1)),
+            lambda: store.rewind(SPEC.job, 0, generation, Position(0, 0)),
+            lambda: store.reconcile(SPEC.job, 0, generation, Position(0, 2)),
+            lambda: store.join(SPEC.job, 1, 4),
+            lambda: store.open_job(SPEC),
+            lambda: store.resize(SPEC.job, 4, 3),
+        ]
+        for write in writes:
+            for key in keys:
+                client.pexpire(key, 5_000)
+            write()
+            for key in keys:
+                assert client.pttl(key) > 99_000, f"{key}: a write did not refresh the TTL"
+        # a refused write changes nothing, the TTL included
+        for key in keys:
+            client.pexpire(key, 5_000)
+        with pytest.raises(FencedError):
+            store.advance(SPEC.job, 0, generation, Position(9, 9))
+        assert client.pttl(keys[0]) <= 5_000
+    with RedisCursorStore(redis_server.url, job_ttl_s=0) as forever:
+        forever.join(SPEC.job, 0, 3)
+        with redis_server.client() as client:
+            assert [client.pttl(key) for key in keys] == [-1, -1], "job_ttl_s=0 must keep the job forever"
+
+
+def test_an_idle_job_expires(redis_server: RedisServer) -> None:
+    with RedisCursorStore(redis_server.url, job_ttl_s=1) as store:
+        store.open_job(SPEC)
+        store.open_job(JobSpec("busy", "d", "c", 1))
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            store.join("busy", 0, 1)  # the other job is kept alive by its writes
+            try:
+                store.get(SPEC.job)
+            except JobNotFoundError:
+                break
+            time.sleep(0.1)
+        else:
+            pytest.fail("a job idle for longer than job_ttl_s=1 did not expire")
+        assert [j.job for j in store.list_jobs()] == ["busy"]
+        with redis_server.client() as client:
+            assert client.keys("ladle:{run-42}:*") == [], "an expired job left keys behind"
+    with pytest.raises(ConfigError) as info:
+        RedisCursorStore(redis_server.url, job_ttl_s=-1)
+    assert info.value.field == "job_ttl_s"
+
+
+# --- connecting -----------------------------------------------------------------
+
+
+def _all_text(exc: BaseException) -> str:
+    return "".join(traceback.format_exception(exc))
+
+
+def test_a_wrong_password_is_refused_clearly_at_start_up(redis_server_factory: StartServer) -> None:
+    server = redis_server_factory(password=PASSWORD)
+    for url in (server.url_for(password="wrong-Pa55"), f"redis://{server.host}:{server.port}/0"):
+        began = time.perf_counter()
+        with pytest.raises(StoreUnavailableError) as info:
+            RedisCursorStore(url, socket_timeout_s=2)
+        assert time.perf_counter() - began < 2
+        message = str(info.value)
+        assert "password" in message, f"the message must say the password was refused: {message}"
+        assert f"{server.port}" in message, "the message must name the server"
+        assert "wrong-Pa55" not in _all_text(info.value), "the password leaked into the error"
+    with RedisCursorStore(server.url) as store:
+        store.open_job(SPEC)
+        assert PASSWORD not in repr(store)
+        assert PASSWORD not in store.url
+
+
+def test_a_password_for_a_redis_without_one_is_explained(redis_server: RedisServer) -> None:
+    with pytest.raises(StoreUnavailableError, match="has none configured") as info:
+        RedisCursorStore(redis_server.url_for(password=PASSWORD))
+    assert PASSWORD not in _all_text(info.value)
+
+
+def test_an_unreachable_redis_fails_fast_and_names_it(redis_server_factory: StartServer) -> None:
+    server = redis_server_factory(password=PASSWORD)
+    url = server.url
+    server.kill()
+    began = time.perf_counter()
+    with pytest.raises(StoreUnavailableError) as info:
+        RedisCursorStore(url, socket_timeout_s=2)
+    assert time.perf_counter() - began < 2
+    assert f"127.0.0.1:{server.port}" in str(info.value)
+    assert "***" in str(info.value), "the URL in the message must have its password redacted"
+    assert PASSWORD not in _all_text(info.value), "the password leaked into the error"
+
+
+def test_a_server_that_never_answers_times_out(tmp_path: Path) -> None:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)  # accepts connections (the kernel does), never replies
+        port = silent.getsockname()[1]
+        began = time.perf_counter()
+        with pytest.raises(StoreUnavailableError, match="cannot be reached"):
+            RedisCursorStore(f"redis://127.0.0.1:{port}/0", socket_timeout_s=0.3)
+        assert time.perf_counter() - began < 3, "start-up must not hang on a silent server"
+
+
+def test_urls_are_parsed_with_tls_unix_sockets_and_database_numbers() -> None:
+    tls = redis_client("rediss://:pw@redis.example.com:6380/2?ssl_cert_reqs=none")
+    pool = tls.connection_pool
+    assert pool.connection_class is redis.SSLConnection
+    kwargs = pool.connection_kwargs
+    assert (kwargs["host"], kwargs["port"], kwargs["db"]) == ("redis.example.com", 6380, 2)
+    assert kwargs["password"] == "pw"
+    assert kwargs["ssl_cert_reqs"] == "none"
+    unix = redis_client("unix:///run/redis.sock?db=4")
+    assert unix.connection_pool.connection_class is redis.UnixDomainSocketConnection
+    assert unix.connection_pool.connection_kwargs["path"] == "/run/redis.sock"
+    assert unix.connection_pool.connection_kwargs["db"] == 4
+    with pytest.raises(ConfigError) as info:
+        RedisCursorStore("http://:pw@localhost:6379/0")
+    assert info.value.field == "redis_url"
+    assert ":pw@" not in str(info.value)
+
+
+def test_redact_url() -> None:
+    assert redact_url("redis://:hunter2@h:1/0") == "redis://:***@h:1/0"
+    assert redact_url("rediss://user:hunter2@h:1/0") == "rediss://user:***@h:1/0"
+    assert redact_url("redis://user@h:1/0") == "redis://user@h:1/0"
+    assert redact_url("unix:///s.sock?db=1&password=hunter2") == "unix:///s.sock?db=1&password=***"
+    assert redact_url("redis://h:1") == "redis://h:1"
+
+
+def test_tls_to_a_plain_server_fails_cleanly(redis_server: RedisServer) -> None:
+    began = time.perf_counter()
+    with pytest.raises(StoreUnavailableError):
+        RedisCursorStore(f"rediss://{redis_server.host}:{redis_server.port}/0", socket_timeout_s=0.5)
+    assert time.perf_counter() - began < 3
+
+
+def test_the_database_number_in_the_url_is_used(redis_server: RedisServer) -> None:
+    with RedisCursorStore(redis_server.url_for(3)) as store:
+        store.open_job(SPEC)
+    with redis_server.client(3) as db3, redis_server.client(0) as db0:
+        assert sorted(db3.keys("*")) == ["ladle:{run-42}:job", "ladle:{run-42}:ranks"]
+        assert db0.keys("*") == []
+
+
+def test_a_unix_socket_url(redis_server_factory: StartServer) -> None:
+    server = redis_server_factory(unixsocket=True)
+    with RedisCursorStore(f"unix://{server.unix_socket}?db=2") as store:
+        store.open_job(SPEC)
+    with server.client(2) as client:
+        assert client.exists("ladle:{run-42}:job") == 1
+
+
+# --- Redis going away and coming back -------------------------------------------
+
+
+def test_state_survives_kill_9_with_appendfsync_always(redis_server_factory: StartServer) -> None:
+    server = redis_server_factory(appendonly=True, appendfsync="always")
+    with RedisCursorStore(server.url) as store:
+        store.open_job(SPEC)
+        generations = [store.join(SPEC.job, r, 4).generation for r in range(4)]
+        for step in range(1, 21):
+            for r in range(4):
+                store.advance(SPEC.job, r, generations[r], Position(0, step))
+        before = store.get(SPEC.job)
+        server.restart(kill=True)
+        after = store.get(SPEC.job)
+        assert after == before, "an acknowledged write was lost across kill -9 with appendfsync always"
+        assert [r.position for r in after.ranks] == [Position(0, 20)] * 4
+
+
+def test_the_store_survives_a_redis_restart_and_a_flushed_script_cache(
+    redis_server_factory: StartServer,
+) -> None:
+    server = redis_server_factory(appendonly=True, appendfsync="always")
+    with RedisCursorStore(server.url, socket_timeout_s=2) as store:
+        store.open_job(SPEC)
+        generation = store.join(SPEC.job, 0, 4).generation
+        with server.client() as client:
+            client.script_flush()
+        assert store.advance(SPEC.job, 0, generation, Position(0, 1)).position == Position(0, 1)
+        server.kill()
+        for call in (
+            lambda: store.advance(SPEC.job, 0, generation, Position(0, 2)),
+            lambda: store.get(SPEC.job),
+            store.ping,
+            store.list_jobs,
+        ):
+            began = time.perf_counter()
+            with pytest.raises(StoreUnavailableError, match="cannot be reached"):
+                call()
+            assert time.perf_counter() - began < 2, "a call to a dead Redis must fail fast, not hang"
+        server.start()  # an empty script cache: the next EVALSHA gets NOSCRIPT and reloads
+        assert store.advance(SPEC.job, 0, generation, Position(0, 2)).position == Position(0, 2)
+        assert store.get(SPEC.job).ranks[0].position == Position(0, 2)
+
+
+def test_a_read_only_redis_is_unavailable(redis_server_factory: StartServer) -> None:
+    server = redis_server_factory()
+    with RedisCursorStore(server.url) as store, server.client() as client:
+        store.open_job(SPEC)
+        client.config_set("replica-read-only", "yes")
+        client.execute_command("REPLICAOF", "127.0.0.1", "1")  # a replica of nothing: read-only
+        try:
+            with pytest.raises(StoreUnavailableError):
+                store.join(SPEC.job, 0, 4)
+        finally:
+            client.execute_command("REPLICAOF", "NO", "ONE")
+
+
+def test_the_recommended_config_loads_and_never_evicts(redis_server_factory: StartServer) -> None:
+    server = redis_server_factory(config_file=ROOT / "deploy" / "redis.conf")
+    with server.client() as client:
+        config = client.config_get("*")
+    assert config["maxmemory-policy"] == "noeviction", "eviction would silently drop cursors"
+    assert (config["appendonly"], config["appendfsync"]) == ("yes", "everysec")
+    assert config["protected-mode"] == "yes"
+    with RedisCursorStore(server.url) as store:
+        assert store.open_job(SPEC).spec == SPEC
+
+
+# --- processes ------------------------------------------------------------------
+
+
+def _advance_in_child(store: RedisCursorStore, generation: int) -> None:
+    store.advance(SPEC.job, 2, generation, Position(0, 4))
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_a_store_object_crosses_to_a_child_process(redis_server: RedisServer, method: str) -> None:
+    if method not in multiprocessing.get_all_start_methods():
+        pytest.skip(f"no {method} start method here")
+    with RedisCursorStore(redis_server.url) as store:
+        store.open_job(SPEC)
+        generation = store.join(SPEC.job, 2, 4).generation
+        store.ping()  # the parent's pool holds a connection the child must not share
+        context = (
+            multiprocessing.get_context("fork") if method == "fork" else multiprocessing.get_context("spawn")
+        )
+        child = context.Process(target=_advance_in_child, args=(store, generation))
+        child.start()
+        child.join(timeout=60)
+        assert child.exitcode == 0
+        assert store.get(SPEC.job).ranks[2].position == Position(0, 4)
+        again = pickle.loads(pickle.dumps(store))
+        try:
+            assert again.get(SPEC.job) == store.get(SPEC.job)
+        finally:
+            again.close()
+
+
+def test_many_threads_share_one_store(redis_server: RedisServer) -> None:
+    with RedisCursorStore(redis_server.url) as store:
+        spec = JobSpec("threads", "d", "c", 16)
+        store.open_job(spec)
+        errors: list[BaseException] = []
+
+        def work(rank: int) -> None:
+            try:
+                generation = store.join(spec.job, rank, 16).generation
+                for step in range(1, 51):
+                    store.advance(spec.job, rank, generation, Position(0, step))
+            except BaseException as exc:
+                errors.append(exc)
+
+        pool = [threading.Thread(target=work, args=(r,)) for r in range(16)]
+        for thread in pool:
+            thread.start()
+        for thread in pool:
+            thread.join(timeout=60)
+        assert not errors
+        assert [r.position for r in store.get(spec.job).ranks] == [Position(0, 50)] * 16
+
+
+# --- open_store -----------------------------------------------------------------
+
+
+def test_open_store_picks_redis_or_the_file(redis_server: RedisServer, tmp_path: Path) -> None:
+    with open_store(redis_url=redis_server.url, state_path=tmp_path / "x.db", job_ttl_s=60) as store:
+        assert isinstance(store, RedisCursorStore)
+        assert store.job_ttl_s == 60
+    assert not (tmp_path / "x.db").exists()
+    with open_store(redis_url=None, state_path=tmp_path / "sub" / "x.db", job_ttl_s=60) as store:
+        assert isinstance(store, EmbeddedStore)
+    assert (tmp_path / "sub" / "x.db").exists()
+    assert os.path.basename(store.path) == "x.db"
