@@ -8,7 +8,7 @@ DATA := data
 SAMPLE := $(DATA)/sample
 DEMO_ROWS ?= 200000
 
-.PHONY: setup demo test lint typecheck unit bench bench-full clean
+.PHONY: setup redis-server demo test lint typecheck unit bench bench-full clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -17,6 +17,13 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 setup: $(STAMP)
+
+# The tests and benchmarks start their own redis-server processes on free ports.
+redis-server:
+	@command -v redis-server >/dev/null || { \
+		echo "redis-server is missing: installing it with apt-get"; \
+		SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
+		$$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq redis-server; }
 
 # The whole system on this machine: a production-like sample dataset (made
 # once), the plan beside a random shuffle, then a server and 4 trainer
@@ -33,17 +40,17 @@ lint: setup
 typecheck: setup
 	$(BIN)/mypy
 
-unit: setup
+unit: setup redis-server
 	$(BIN)/python -m pytest
 
 # Everything CI runs: lint, types, the whole test suite (hypothesis in its
 # short CI profile when CI=true).
 test: lint typecheck unit
 
-bench: setup
+bench: setup redis-server
 	$(BIN)/python -m benchmarks.run
 
-bench-full: setup
+bench-full: setup redis-server
 	$(BIN)/python -m benchmarks.run --full
 
 clean:
