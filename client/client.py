@@ -89,7 +89,8 @@ class _Stream:
         self._last_sent = time.monotonic()
         # decoded batches (or an end marker / an error), decoded on this stream's
         # reader thread so next() only dequeues
-        self.frames: queue.Queue[Any] = queue.Queue(maxsize=depth + 4)
+        # (unbounded: the server sends at most `depth` batches beyond what was acknowledged)
+        self.frames: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self.call = stub.stream(self._request_iter())
         self.thread = threading.Thread(target=self._read, name="ladle-client-reader", daemon=True)
         self.thread.start()

@@ -103,7 +103,10 @@ class DecodedBatch:
     def attention_mask(self, dtype: npt.DTypeLike = np.int8) -> npt.NDArray[np.generic]:
         """A new [rows, padded_len] array: 1 on each row's real tokens, 0 on its padding."""
         positions = np.arange(self.padded_len, dtype=np.int32)
-        return (positions[None, :] < self.lengths[:, None]).astype(dtype)
+        mask = positions[None, :] < self.lengths[:, None]
+        if np.dtype(dtype).itemsize == 1 and np.dtype(dtype).kind in "iu":
+            return mask.view(dtype)  # bool is one byte of 0 or 1 already: no second pass
+        return mask.astype(dtype)
 
 
 @dataclass(frozen=True, slots=True)
