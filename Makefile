@@ -8,7 +8,7 @@ DATA := data
 SAMPLE := $(DATA)/sample
 DEMO_ROWS ?= 200000
 
-.PHONY: setup redis-server demo test lint typecheck unit bench bench-full clean
+.PHONY: setup redis-server chromium demo test lint typecheck unit bench bench-full clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -25,6 +25,13 @@ redis-server:
 		SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
 		$$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq redis-server; }
 
+# The page's browser test drives Debian's headless Chromium through chromedriver.
+chromium:
+	@{ command -v chromium >/dev/null && command -v chromedriver >/dev/null; } || { \
+		echo "chromium or chromedriver is missing: installing them with apt-get"; \
+		SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
+		$$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq chromium chromium-driver; }
+
 # The whole system on this machine: a production-like sample dataset (made
 # once), the plan beside a random shuffle, then a server and 4 trainer
 # processes reading one epoch through BatchClient, with the exact-once check.
@@ -40,7 +47,7 @@ lint: setup
 typecheck: setup
 	$(BIN)/mypy
 
-unit: setup redis-server
+unit: setup redis-server chromium
 	$(BIN)/python -m pytest
 
 # Everything CI runs: lint, types, the whole test suite (hypothesis in its

@@ -116,7 +116,7 @@ class _Ladle:
         cmd = [
             str(Path(sys.executable).with_name("ladle")), "serve", str(dataset), "--host", "127.0.0.1",
             "--grpc-port", "0", "--ready-file", str(ready), "--state", str(workdir / f"{name}-state.db"),
-            "--log-level", "WARNING", *extra,
+            "--http-port", "0", "--log-level", "WARNING", *extra,
         ]  # fmt: skip
         with self.log.open("ab") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)

@@ -14,6 +14,7 @@ import sys
 from benchmarks import (
     bench_assemble,
     bench_dataset,
+    bench_http,
     bench_roundtrips,
     bench_schedule,
     bench_serving,
@@ -31,6 +32,7 @@ def main(argv: list[str]) -> int:
         "assemble": bench_assemble.main(50_000 if full else 20_000),
         "store": bench_store.main(full),
         "roundtrips": bench_roundtrips.main(full),
+        "http": bench_http.main(full),
     }
     if full:  # the transport comparison behind the frame layout (about 7 minutes)
         results["wire"] = bench_wire.main([])
@@ -63,6 +65,8 @@ def main(argv: list[str]) -> int:
     for line in bench_store.summary(results["store"]):
         print(line, file=sys.stderr)
     for line in bench_roundtrips.summary(results["roundtrips"]):
+        print(line, file=sys.stderr)
+    for line in bench_http.summary(results["http"]):
         print(line, file=sys.stderr)
     return 0
 

@@ -15,8 +15,18 @@ from collections.abc import Sequence
 from typing import Any, get_args
 
 from .errors import LadleError
+from .report import BUCKET_HEADER, bucket_cells
 from .schedule import ScheduleConfig, build_schedule
-from .schedule.stats import LossFigures, Quality, bucket_table, quality, simulate_loss, summary
+from .schedule.stats import (
+    BucketRow,
+    LossFigures,
+    Quality,
+    bucket_table,
+    quality,
+    simulate_loss,
+    summary,
+)
+from .text import Split, TokenizerKind
 
 __all__ = ["build_parser", "main"]
 
@@ -71,6 +81,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("dataset", help="a dataset folder written by save_to_disk")
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     serve.add_argument("--grpc-port", type=int, default=50051, help="0 picks a free port")
+    serve.add_argument(
+        "--http-port", type=int, default=8080, help="the HTTP API, metrics and page (0 picks a free port)"
+    )
+    serve.add_argument("--no-http", action="store_true", help="serve gRPC only (no HTTP port at all)")
     serve.add_argument("--state", default=DEFAULT_STATE, help="the embedded cursor store file")
     _add_store_options(serve)
     serve.add_argument(
@@ -89,6 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--grace", type=float, default=5.0, help="seconds open streams get at shutdown")
     serve.add_argument("--ready-file", help="write host:port here once serving (for scripts and tests)")
+    serve.add_argument("--http-ready-file", help="write the HTTP host:port here (before --ready-file)")
     serve.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     _add_config_options(serve)
 
@@ -107,12 +122,26 @@ def build_parser() -> argparse.ArgumentParser:
         "--delete", nargs="+", metavar="NAME", help="delete these jobs (exit 1 if one is unknown)"
     )
 
-    make = sub.add_parser("make-dataset", help="write a synthetic tokenized dataset (production length mix)")
+    inspect = sub.add_parser("inspect", help="print a running server's tables for one job (its HTTP API)")
+    inspect.add_argument("--server", default=None, help="the server's HTTP address (default: 127.0.0.1:8080)")
+    inspect.add_argument("--job", help="the job to show (default: the one updated last)")
+    inspect.add_argument("--epoch", type=int, help="default: the epoch of the job's slowest rank")
+    inspect.add_argument("--json", action="store_true", help="machine-readable output")
+
+    make = sub.add_parser(
+        "make-dataset", help="write a tokenized dataset: synthetic (production length mix) or real text"
+    )
     make.add_argument("out", help="folder to create")
-    make.add_argument("--rows", type=int, required=True)
-    make.add_argument("--seed", type=int, default=0)
-    make.add_argument("--scale", type=float, default=1.0, help="multiply every length (tests: 1/32)")
-    make.add_argument("--vocab-size", type=int, default=32000)
+    source = make.add_mutually_exclusive_group(required=True)
+    source.add_argument("--rows", type=int, help="synthetic: this many rows of the production length mix")
+    source.add_argument("--from-text", nargs="+", metavar="PATH", help="tokenize these files and folders")
+    make.add_argument("--seed", type=int, default=0, help="synthetic rows")
+    make.add_argument("--scale", type=float, default=1.0, help="synthetic: multiply every length (1/32)")
+    make.add_argument("--vocab-size", type=int, help="default: 32000 synthetic, 4096 BPE")
+    make.add_argument("--split", choices=get_args(Split), default="documents", help="text: rows per file")
+    make.add_argument("--tokenizer", choices=get_args(TokenizerKind), default="bpe", help="text: bpe|bytes")
+    for flag, what in (("--include", "file names to read (default all)"), ("--exclude", "names to skip")):
+        make.add_argument(flag, action="append", default=[], metavar="GLOB", help=f"text, in folders: {what}")
     return parser
 
 
@@ -127,10 +156,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _serve(args)
         if args.command == "jobs":
             return _jobs(args)
+        if args.command == "inspect":
+            return _inspect(args)
         if args.command == "demo":
             from .demo import run_demo
 
-            return run_demo(args.dataset, args.world_size, config_from_args(args), args.rows, args.keep)
+            if args.text and args.bucket_bounds is None and not args.config:
+                args.bucket_bounds = "auto"  # the production bounds do not fit real text; fit edges to it
+            config = config_from_args(args)
+            return run_demo(
+                args.dataset, args.world_size, config, args.rows, args.keep, args.text, args.split
+            )
     except LadleError as exc:
         print(f"ladle: error: {exc}", file=sys.stderr)
         return 2
@@ -154,8 +190,60 @@ def _serve(args: argparse.Namespace) -> int:
         max_streams=args.max_streams,
         ack_flush_s=args.ack_flush_ms / 1000,
         grace=args.grace,
+        http_port=None if args.no_http else args.http_port,
     )
-    return serve_forever(server, ready_file=args.ready_file)
+    return serve_forever(server, ready_file=args.ready_file, http_ready_file=args.http_ready_file)
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    from .inspect_client import DEFAULT_SERVER, fetch_report
+
+    doc = fetch_report(args.server or DEFAULT_SERVER, args.job, args.epoch)
+    if args.json:
+        print(json.dumps(doc, indent=2))
+        return 0
+    ds = doc["dataset"]
+    print(f"server {doc['server']}: dataset {ds['path']}, {ds['rows']} rows, fingerprint {ds['fingerprint']}")
+    names = [j["job"] + ("" if j["served"] else " (other dataset or config)") for j in doc["jobs"]]
+    print(f"jobs: {', '.join(names) if names else 'none yet'}")
+    job = doc["job"]
+    if job is None:
+        return 0
+    config = job["config"] or {}
+    print(
+        f"job {job['job']}: world size {job['world_size']}, {config.get('rank_mode', '?')} ranks, "
+        f"epoch {doc['buckets']['epoch']}, {doc['buckets']['num_steps']} steps, "
+        f"schedule {job['schedule_fingerprint']}"
+    )
+    print()
+    print(format_bucket_rows([BucketRow(**row) for row in doc["buckets"]["buckets"]]))
+    print()
+    print(format_quality(Quality(**doc["quality"]["quality"]), Quality(**doc["random"]["quality"])))
+    print()
+    ours, random = doc["quality"]["simulated_loss"], doc["random"]["simulated_loss"]
+    print(format_loss(LossFigures(**ours), LossFigures(**random)))
+    print()
+    print(format_cursor(doc["cursor"]))
+    return 0
+
+
+def format_cursor(cursor: dict[str, Any]) -> str:
+    """Each rank's position, progress through its epoch, lag behind the leader, last seen, generation."""
+    rows = [
+        [
+            str(r["rank"]),
+            f"{r['epoch']}:{r['step']}",
+            f"{100 * r['progress']:.1f}% of {r['steps_in_epoch']}",
+            str(r["lag_steps"]),
+            f"{r['seen_ago_s']:.0f}s ago",
+            str(r["generation"]),
+        ]
+        for r in cursor["ranks"]
+    ]
+    lead = cursor["leader"]
+    return f"ranks (leader at {lead['epoch']}:{lead['step']})\n" + _table(
+        ["rank", "epoch:step", "progress", "lag (steps)", "last seen", "generation"], rows
+    )
 
 
 def _add_store_options(parser: argparse.ArgumentParser | argparse._MutuallyExclusiveGroup) -> None:
@@ -261,10 +349,29 @@ def format_jobs(jobs: Sequence[Any]) -> str:
 
 
 def _make_dataset(args: argparse.Namespace) -> int:
-    from .synth import make_dataset
-
     began = time.perf_counter()
-    ds = make_dataset(args.out, args.rows, args.seed, scale=args.scale, vocab_size=args.vocab_size)
+    if args.from_text:
+        from .text import make_text_dataset
+
+        made = make_text_dataset(
+            args.out,
+            args.from_text,
+            split=args.split,
+            tokenizer=args.tokenizer,
+            vocab_size=args.vocab_size,
+            include=args.include,
+            exclude=args.exclude,
+        )
+        ds = made.dataset
+        print(
+            f"read {made.files} files ({len(made.skipped)} skipped: see text.json), "
+            f"{made.tokenizer.kind} vocabulary {made.tokenizer.vocab_size}, {ds.num_tokens:,} tokens"
+        )
+    else:
+        from .synth import make_dataset
+
+        vocab_size = 32000 if args.vocab_size is None else args.vocab_size
+        ds = make_dataset(args.out, args.rows, args.seed, scale=args.scale, vocab_size=vocab_size)
     took = time.perf_counter() - began
     print(f"wrote {ds.num_rows} rows to {args.out} in {took:.1f}s (fingerprint {ds.fingerprint})")
     return 0
@@ -323,34 +430,12 @@ def _table(header: list[str], rows: list[list[str]]) -> str:
 
 
 def format_bucket_table(sched: Any) -> str:
-    rows = [
-        [
-            str(r.bucket),
-            f"[{r.lo}, {r.hi})",
-            str(r.samples),
-            f"{r.pct_samples:.1f}%",
-            f"{r.avg_len:.0f}",
-            str(r.max_len),
-            f"{r.rows_per_batch:.1f}",
-            str(r.batches),
-            f"{r.pct_batches:.1f}%",
-            f"{r.padding_efficiency:.3f}",
-        ]
-        for r in bucket_table(sched)
-    ]
-    header = [
-        "bucket",
-        "lengths",
-        "samples",
-        "% samples",
-        "avg len",
-        "max len",
-        "rows/batch",
-        "batches",
-        "% batches",
-        "pad eff",
-    ]
-    return _table(header, rows)
+    return format_bucket_rows(bucket_table(sched))
+
+
+def format_bucket_rows(rows: Sequence[BucketRow]) -> str:
+    """The per-bucket table as text (the page and ``ladle inspect`` show the same cells)."""
+    return _table(list(BUCKET_HEADER), [bucket_cells(r) for r in rows])
 
 
 def _fmt_list(values: list[int] | None) -> str:

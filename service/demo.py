@@ -1,10 +1,11 @@
 """``ladle demo``: the whole system on one machine, with no setup.
 
-Makes a sample dataset if none is given, starts ``ladle serve`` with the
-embedded store, runs ``world_size`` trainer processes that read one epoch
-through ``BatchClient`` (a progress bar per rank), then checks and prints what
-they received: every sample exactly once, steps, tokens/s, padding efficiency,
-and each bucket's longest run beside a random shuffle's.
+Makes a sample dataset if none is given (or tokenizes ``--text`` files),
+starts ``ladle serve`` with the embedded store (``launch.ServeProcess``), runs
+``world_size`` trainer processes that read one epoch through ``BatchClient``
+(a progress bar per rank), then checks and prints what they received: every
+sample exactly once, steps, tokens/s, padding efficiency, and each bucket's
+longest run beside a random shuffle's.
 """
 
 from __future__ import annotations
@@ -13,19 +14,20 @@ import argparse
 import multiprocessing as mp
 import os
 import shutil
-import signal
-import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import numpy as np
 
 from .dataset import open_dataset
+from .launch import ServeProcess, ServerStartError
 from .schedule import ScheduleConfig, build_schedule
 from .schedule.stats import longest_runs, quality
+from .text import Split
 
 __all__ = ["run_demo"]
 
@@ -69,10 +71,47 @@ def _bars(done: list[int], total: int, tty: bool, first: bool) -> None:
 
 
 def run_demo(
-    dataset: str | None, world_size: int, config: ScheduleConfig, rows: int, keep: bool = False
+    dataset: str | None,
+    world_size: int,
+    config: ScheduleConfig,
+    rows: int,
+    keep: bool = False,
+    text: Sequence[str] = (),
+    split: Split = "functions",
 ) -> int:
-    """Run the demo; returns 0 when every check passed."""
-    if dataset is None:
+    """Run the demo; returns 0 when every check passed.
+
+    With ``text``, the dataset is those files tokenized by ``make_text_dataset``
+    (BPE, rows split by ``split``) into the demo's work folder.
+    """
+    work = Path(tempfile.mkdtemp(prefix="ladle-demo-"))
+    try:
+        return _serve_and_train(work, dataset, world_size, config, rows, text, split)
+    finally:
+        if not keep:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+def _serve_and_train(
+    work: Path,
+    dataset: str | None,
+    world_size: int,
+    config: ScheduleConfig,
+    rows: int,
+    text: Sequence[str],
+    split: Split,
+) -> int:
+    if text:
+        from .text import make_text_dataset
+
+        dataset = str(work / "text")
+        print(f"tokenizing {', '.join(text)} (split into {split}, BPE trained here) into {dataset}")
+        made = make_text_dataset(dataset, text, split=split)
+        print(
+            f"{made.dataset.num_rows:,} rows, {made.dataset.num_tokens:,} tokens from {made.files} files "
+            f"({len(made.skipped)} skipped), vocabulary {made.tokenizer.vocab_size}"
+        )
+    elif dataset is None:
         dataset = "data/sample"
         if not Path(dataset).exists():
             from .synth import make_dataset
@@ -81,50 +120,18 @@ def run_demo(
             make_dataset(dataset, rows, seed=0)
     ds = open_dataset(dataset)
     sched = build_schedule(ds.lengths, config, epoch=0, world_size=world_size)
-    work = Path(tempfile.mkdtemp(prefix="ladle-demo-"))
-    ready = work / "ready"
-    cmd = [
-        sys.executable, "-m", "ladle.service.cli", "serve", dataset, "--grpc-port", "0",
-        "--state", str(work / "state.db"), "--ready-file", str(ready), "--log-level", "WARNING",
-        "--config", str(_write_config(work, config)),
-    ]  # fmt: skip
-    server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=(work / "server.log").open("wb"))
+    (work / "ladle.toml").write_text(config.to_toml())
     try:
-        deadline = time.monotonic() + 120
-        while not ready.exists():
-            if server.poll() is not None or time.monotonic() > deadline:
-                print((work / "server.log").read_text(errors="replace")[-2000:], file=sys.stderr)
-                print("ladle demo: the server did not start", file=sys.stderr)
-                return 1
-            time.sleep(0.05)
-        address = ready.read_text()
-        print(f"server on {address}; {world_size} trainers, {sched.num_steps} steps each")
-        return _run_trainers(address, world_size, sched, ds.lengths, config)
-    finally:
-        server.send_signal(signal.SIGTERM)
-        try:
-            server.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            server.kill()
-        if not keep:
-            shutil.rmtree(work, ignore_errors=True)
-
-
-def _write_config(work: Path, config: ScheduleConfig) -> Path:
-    path = work / "ladle.toml"
-    lines = ["[schedule]"]
-    for key, value in config.model_dump(mode="json").items():
-        lines.append(f"{key} = {_toml(value)}")
-    path.write_text("\n".join(lines) + "\n")
-    return path
-
-
-def _toml(value: Any) -> str:
-    if isinstance(value, str):
-        return f'"{value}"'
-    if isinstance(value, list):
-        return "[" + ", ".join(str(v) for v in value) + "]"
-    return str(value)
+        server = ServeProcess(dataset, work, config=work / "ladle.toml")
+    except ServerStartError as exc:
+        print(exc, file=sys.stderr)
+        print("ladle demo: the server did not start", file=sys.stderr)
+        return 1
+    with server:
+        print(f"server on {server.address}; {world_size} trainers, {sched.num_steps} steps each")
+        http = server.http_address
+        print(f"watch it at http://{http}/ or with `ladle inspect --server {http}`")
+        return _run_trainers(server.address, world_size, sched, ds.lengths, config)
 
 
 def _run_trainers(address: str, world: int, sched: Any, lengths: np.ndarray, config: ScheduleConfig) -> int:
@@ -197,7 +204,21 @@ def _summary(
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--dataset", help="a saved dataset (default: data/sample, made if missing)")
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--dataset", help="a saved dataset (default: data/sample, made if missing)")
+    source.add_argument(
+        "--text",
+        nargs="+",
+        metavar="PATH",
+        default=[],
+        help="tokenize these files or folders (BPE trained here) and serve them (bucket bounds: auto)",
+    )
+    parser.add_argument(
+        "--split",
+        choices=get_args(Split),
+        default="functions",
+        help="rows of --text: Python functions/classes, paragraphs or documents (default functions)",
+    )
     parser.add_argument("--world-size", type=int, default=4, help="trainer processes (default 4)")
     parser.add_argument("--rows", type=int, default=200_000, help="rows of the sample dataset if made")
     parser.add_argument("--keep", action="store_true", help="keep the server's state and log")

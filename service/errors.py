@@ -10,11 +10,13 @@ from __future__ import annotations
 from typing import ClassVar
 
 __all__ = [
+    "BinaryFileError",
     "ConfigError",
     "CursorRegressionError",
     "DatasetError",
     "DatasetNotFoundError",
     "EmptyDatasetError",
+    "EmptyTextError",
     "FencedError",
     "JobMismatchError",
     "JobNotFoundError",
@@ -25,6 +27,8 @@ __all__ = [
     "ScheduleError",
     "StoreError",
     "StoreUnavailableError",
+    "TextSourceError",
+    "UnreadableFileError",
     "WorldSizeMismatchError",
     "ZeroLengthRowsError",
 ]
@@ -109,6 +113,35 @@ class ZeroLengthRowsError(DatasetError):
             f"dataset {path}: {count} row(s) have no tokens (first rows: {first_rows}); "
             "remove them before serving (a zero-length row cannot be trained on)"
         )
+
+
+# --- text sources of `ladle make-dataset --from-text` -------------------------
+
+
+class TextSourceError(DatasetError):
+    """A file given to ``make-dataset --from-text`` cannot be used; ``path`` names it."""
+
+    kind = "invalid_argument"
+
+    def __init__(self, path: str, detail: str) -> None:
+        self.path = path
+        self.detail = detail
+        super().__init__(f"{path}: {detail}")
+
+    def __reduce__(self) -> tuple[type[TextSourceError], tuple[str, str]]:
+        return (type(self), (self.path, self.detail))
+
+
+class EmptyTextError(TextSourceError):
+    """The file holds no text (empty, or only whitespace)."""
+
+
+class BinaryFileError(TextSourceError):
+    """The file is not UTF-8 text (a NUL byte or an invalid UTF-8 sequence)."""
+
+
+class UnreadableFileError(TextSourceError):
+    """The file does not exist or cannot be read (permissions, a directory loop, I/O)."""
 
 
 # --- the cursor store -------------------------------------------------------

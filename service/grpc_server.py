@@ -33,6 +33,7 @@ from ladle.proto import ladle_pb2 as pb
 from .assemble import Assembler
 from .errors import ConfigError, FencedError, JobNotFoundError, LadleError
 from .jobs import Job, JobRegistry
+from .metrics import ServerMetrics
 from .store.base import Position
 
 __all__ = ["ACK_FLUSH_SECONDS", "BatchServicer", "StreamAbortedError", "status_of"]
@@ -97,10 +98,12 @@ class _Session:
         self.generation = generation
         self.wake = asyncio.Event()
         self.credits = credits
+        self.window = credits
         self.sent = start  # the position after the last batch sent
         self.acked = start
         self.stored = start
         self.last_flush = 0.0
+        self.deferred: asyncio.TimerHandle | None = None
         self.failure: BaseException | None = None
         self.requests_done = False
         self.replaced = False
@@ -111,12 +114,19 @@ class _Session:
         self.wake.set()
 
     def flush(self, *, force: bool = False) -> None:
-        """Write the acknowledged position to the store if it moved (at most every ``flush_every`` s)."""
+        """Write the acknowledged position to the store if it moved (at most every ``flush_every`` s).
+
+        A write held back is done ``flush_every`` after the previous one, so the
+        stored cursor is never more than that behind a trainer that pauses.
+        """
         target = self.acked
         if target <= self.stored or self.replaced:
             return
         now = time.monotonic()
         if not force and now - self.last_flush < self.flush_every:
+            if self.deferred is None:
+                wait = self.flush_every - (now - self.last_flush)
+                self.deferred = asyncio.get_running_loop().call_later(wait, self._flush_deferred)
             return
         self.last_flush = now
         store, name = self.job.store, self.job.name
@@ -139,6 +149,10 @@ class _Session:
             self.fail(exc)
             return
         self.stored = max(self.stored, target)
+
+    def _flush_deferred(self) -> None:
+        self.deferred = None
+        self.flush()
 
     def _reconcile(self, target: Position, why: str) -> None:
         """The store lost writes it had acknowledged: put back what this live trainer holds."""
@@ -186,6 +200,7 @@ class BatchServicer:
         *,
         max_prefetch: int = 64,
         ack_flush_s: float = ACK_FLUSH_SECONDS,
+        metrics: ServerMetrics | None = None,
     ) -> None:
         if ack_flush_s < 0:
             raise ConfigError("ack_flush_s", f"must be >= 0, got {ack_flush_s}")
@@ -198,9 +213,19 @@ class BatchServicer:
         )
         self._active: dict[tuple[str, int], _Session] = {}
         self._stopping = False
+        self.metrics = metrics if metrics is not None else ServerMetrics()
+        self.metrics.watch_streams(self.stream_depths)
 
     def handler(self) -> Any:
         return rpc.batch_service_handler(self.stream, self.describe)  # type: ignore[arg-type]
+
+    def stream_depths(self) -> list[tuple[str, int, int]]:
+        """(job, rank, batches sent and not yet acknowledged) of every open stream; any thread may ask."""
+        return [(job, rank, max(0, s.window - s.credits)) for (job, rank), s in list(self._active.items())]
+
+    async def _abort(self, context: Any, exc: BaseException) -> None:
+        self.metrics.error("grpc", status_of(exc).name)
+        await _abort(context, exc)
 
     def stop_streams(self) -> None:
         """Ask every open stream to end with UNAVAILABLE (call on the server's event loop)."""
@@ -235,7 +260,7 @@ class BatchServicer:
                 max_frame_bytes=self.max_frame_bytes,
             )
         except (JobNotFoundError, LadleError) as exc:
-            await _abort(context, exc)
+            await self._abort(context, exc)
         raise AssertionError("unreachable")
 
     # --- Stream ---
@@ -251,7 +276,7 @@ class BatchServicer:
             # store calls may wait on a lock held by another process: keep them off the event loop
             session = await asyncio.to_thread(self._open, first)
         except LadleError as exc:
-            await _abort(context, exc)
+            await self._abort(context, exc)
             return
         key = (session.job.name, session.rank)
         for other_key, other in list(self._active.items()):
@@ -283,7 +308,7 @@ class BatchServicer:
             if self._active.get(key) is session:
                 del self._active[key]
         if session.failure is not None:
-            await _abort(context, session.failure)
+            await self._abort(context, session.failure)
 
     def _open(self, first: pb.StreamRequest) -> _Session:
         if first.WhichOneof("kind") != "open":
@@ -412,6 +437,7 @@ class BatchServicer:
     async def _send(self, session: _Session) -> AsyncIterator[bytes]:
         job = session.job
         position = session.sent
+        meter = self.metrics.stream(job.name, session.rank)
         while True:
             while session.credits <= 0 and session.failure is None:
                 if session.requests_done:
@@ -423,6 +449,7 @@ class BatchServicer:
             session.credits -= 1
             if not job.has_schedule(position.epoch):  # building one takes a while: off the loop
                 await asyncio.to_thread(job.schedule, position.epoch)
+            began = time.perf_counter()
             ref = job.batch(position, session.rank)
             buffers = self.assembler.assemble(ref.rows, ref.padded_len)
             try:
@@ -437,11 +464,15 @@ class BatchServicer:
                     lengths=buffers.lengths,
                     sample_ids=buffers.sample_ids,
                 )
+                real_tokens = buffers.num_tokens
             finally:
                 buffers.release()
+            meter.batch(real_tokens, len(ref.rows) * ref.padded_len, len(frame), time.perf_counter() - began)
             nxt = ref.next
             session.sent = nxt
+            handed = time.perf_counter()
             yield frame
+            meter.send.observe(time.perf_counter() - handed)
             if nxt.epoch != position.epoch:
                 yield codec.encode_epoch_end(position.epoch, ref.steps_in_epoch)
             position = nxt

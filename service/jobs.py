@@ -29,6 +29,7 @@ from .store.base import (
     Position,
     RankState,
     Resize,
+    check_identity,
     plan_to_json,
     resize_start,
 )
@@ -342,3 +343,31 @@ class JobRegistry:
     def get(self, name: str) -> Job | None:
         with self._lock:
             return self._jobs.get(name)
+
+    def view(self, state: JobState) -> Job:
+        """The job the store holds as ``state``, for reading its schedule (no join, no store write).
+
+        The job this server serves, when it serves it as stored (its schedules
+        are cached already); else a new ``Job`` that is not registered, so
+        inspecting old jobs never changes what the streams use. Raises
+        ``JobMismatchError`` if the job was started on another dataset or
+        schedule config than this server's (it cannot derive that schedule).
+        """
+        here = JobSpec(state.job, self.dataset.fingerprint, self.config.fingerprint(), state.spec.world_size)
+        check_identity(state.spec, here)
+        known = self.get(state.job)
+        if known is not None and (known.world_size, known.plan, known.incarnation) == (
+            state.spec.world_size,
+            state.plan,
+            state.incarnation,
+        ):
+            return known
+        return Job(
+            state.job,
+            self.dataset,
+            self.config,
+            state.spec.world_size,
+            self.store,
+            plan=state.plan,
+            incarnation=state.incarnation,
+        )

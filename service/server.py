@@ -1,9 +1,10 @@
-"""The batch server process: dataset, store, jobs, and the gRPC face, with a clean shutdown.
+"""The batch server process: dataset, store, jobs, the gRPC and HTTP faces, with a clean shutdown.
 
 ``BatchServer`` is a context manager: entering opens the dataset and the
-store and starts serving; leaving stops accepting calls, asks open streams to
-end (UNAVAILABLE, so clients reconnect and resume), waits up to the grace
-period and closes the store. ``serve_forever`` adds SIGTERM/SIGINT handling
+store and starts serving (the HTTP face too when ``http_port`` is given, on
+its own thread); leaving stops the HTTP face, stops accepting calls, asks open
+streams to end (UNAVAILABLE, so clients reconnect and resume), waits up to
+the grace period and closes the store. ``serve_forever`` adds SIGTERM/SIGINT handling
 for ``ladle serve``.
 """
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 import threading
 from pathlib import Path
@@ -27,6 +29,7 @@ from .dataset import open_dataset
 from .errors import ConfigError
 from .grpc_server import ACK_FLUSH_SECONDS, BatchServicer
 from .jobs import JobRegistry
+from .metrics import ServerMetrics, TimedStore
 from .schedule import ScheduleConfig
 from .store import DEFAULT_JOB_TTL_S, CursorStore, open_store
 
@@ -62,9 +65,12 @@ class BatchServer:
         max_streams: int = 64,
         ack_flush_s: float = ACK_FLUSH_SECONDS,
         grace: float = 5.0,
+        http_port: int | None = None,
     ) -> None:
         if not 0 <= grpc_port <= 65535:
             raise ConfigError("grpc_port", f"must be in 0..65535, got {grpc_port}")
+        if http_port is not None and not 0 <= http_port <= 65535:
+            raise ConfigError("http_port", f"must be in 0..65535, got {http_port}")
         if max_streams < 1:
             raise ConfigError("max_streams", f"must be >= 1, got {max_streams}")
         self.dataset_path = str(dataset)
@@ -79,6 +85,10 @@ class BatchServer:
         self.ack_flush_s = ack_flush_s
         self.grace = grace
         self.port = 0
+        self.requested_http_port = http_port
+        self.http_port = 0
+        self.metrics = ServerMetrics()
+        self._http: Any = None
         self._server: Any = None
         self._store: CursorStore | None = None
         self._servicer: BatchServicer | None = None
@@ -91,17 +101,25 @@ class BatchServer:
     def address(self) -> str:
         return f"{self.host}:{self.port}"
 
+    @property
+    def http_url(self) -> str | None:
+        """``http://host:port`` of the HTTP face, None when it is off."""
+        return self._http.url if self._http is not None else None
+
     def start(self) -> BatchServer:
         dataset = open_dataset(self.dataset_path)
-        self._store = open_store(
-            redis_url=self.redis_url, state_path=self.state_path, job_ttl_s=self.job_ttl_s
+        self._store = TimedStore(
+            open_store(redis_url=self.redis_url, state_path=self.state_path, job_ttl_s=self.job_ttl_s),
+            self.metrics,
         )
         registry = JobRegistry(dataset, self.config, self._store)
         # Build epoch 0 now: a bad config fails at start-up, not on the first trainer.
         from .schedule import build_schedule
 
         build_schedule(dataset.lengths, self.config, epoch=0, world_size=1)
-        self._servicer = BatchServicer(registry, Assembler(dataset), ack_flush_s=self.ack_flush_s)
+        self._servicer = BatchServicer(
+            registry, Assembler(dataset), ack_flush_s=self.ack_flush_s, metrics=self.metrics
+        )
         # The asyncio server runs on its own event loop thread.
         self._loop = asyncio.new_event_loop()
         self._loop_thread = threading.Thread(
@@ -109,6 +127,17 @@ class BatchServer:
         )
         self._loop_thread.start()
         asyncio.run_coroutine_threadsafe(self._start(), self._loop).result()
+        if self.requested_http_port is not None:
+            from .http import HttpServer, Inspector, create_app
+
+            app = create_app(Inspector(registry), self.metrics)
+            try:
+                self._http = HttpServer(app, self.host, self.requested_http_port).start()
+            except BaseException:
+                self.stop(grace=0)
+                raise
+            self.http_port = self._http.port
+            log.info("HTTP on %s", self._http.url)
         # The store's repr names its file or its Redis URL with the password redacted.
         log.info("serving %s on %s (store %r)", self.dataset_path, self.address, self._store)
         return self
@@ -140,6 +169,8 @@ class BatchServer:
         if self._stopped.is_set():
             return
         self._stopped.set()
+        if self._http is not None:
+            self._http.stop()
         if self._loop is not None:
             timeout = (self.grace if grace is None else grace) + 10
             asyncio.run_coroutine_threadsafe(
@@ -164,8 +195,15 @@ class BatchServer:
         self.stop()
 
 
-def serve_forever(server: BatchServer, *, ready_file: str | None = None) -> int:
-    """Run until SIGTERM or SIGINT, then shut down gracefully; returns the exit code (0)."""
+def serve_forever(
+    server: BatchServer, *, ready_file: str | None = None, http_ready_file: str | None = None
+) -> int:
+    """Run until SIGTERM or SIGINT, then shut down gracefully; returns the exit code (0).
+
+    Once both faces serve, ``http_ready_file`` gets the HTTP face's ``host:port``
+    and then ``ready_file`` the gRPC face's, so a script that waits for
+    ``ready_file`` finds both.
+    """
     done = threading.Event()
 
     def _on_signal(signum: int, frame: FrameType | None) -> None:
@@ -176,10 +214,21 @@ def serve_forever(server: BatchServer, *, ready_file: str | None = None) -> int:
     try:
         with server:
             print(f"ladle: serving on {server.address}", flush=True)
+            if server.http_url is not None:
+                print(f"ladle: inspect at {server.http_url}/", flush=True)
+                if http_ready_file:
+                    _write_atomically(http_ready_file, f"{server.host}:{server.http_port}")
             if ready_file:
-                Path(ready_file).write_text(server.address)
+                _write_atomically(ready_file, server.address)
             done.wait()
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
     return 0
+
+
+def _write_atomically(path: str, text: str) -> None:
+    """Write ``text`` so that a reader that sees the file sees all of it."""
+    tmp = Path(f"{path}.tmp-{os.getpid()}")
+    tmp.write_text(text)
+    tmp.replace(path)

@@ -32,41 +32,24 @@ schedule's chunked packer), at a mean length of about 2,050 tokens.
 make tiny datasets for tests; the caller chooses the ``max_seq_len`` it serves
 them with. Everything is vectorised numpy, with no Python loop per row.
 
-The folder is written the way ``save_to_disk`` lays it out, but every byte
-only once: the shard count is ``save_to_disk``'s (estimated bytes over
-``_MAX_SHARD_SIZE``, plus one), known up front from the row lengths; shards
-are its contiguous, equal-row ranges, cut into its record batches
-(``_BATCH_ROWS`` rows, fewer for very long rows) and written as Arrow IPC
-streams ``data-00000-of-000NN.arrow`` with the schema, ``state.json`` and
-``dataset_info.json`` of a one-row dataset that ``datasets`` itself saves
-first. A record batch holds at most about ``BLOCK_TOKENS`` tokens (a longer
-one is split), and one background thread writes each batch while the next
-is generated, so besides the per-row arrays (about 30 bytes a row) at most
-three batches (tens of MB) are in memory: about 150 MB in all for a million
-rows. The disk then bounds the time (about 30 s for the 10 GB of a million
-production rows at 350 MB/s).
+The folder is written by ``_writer.write_dataset`` (the layout of
+``save_to_disk``, every byte once), one record batch generated while the
+previous one is written, so besides the per-row arrays (about 30 bytes a row)
+at most three batches (tens of MB) are in memory: about 150 MB in all for a
+million rows. The disk then bounds the time (about 30 s for the 10 GB of a
+million production rows at 350 MB/s).
 """
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
-import json
 import math
 import os
-import tempfile
-from collections import deque
-from collections.abc import Iterable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
-from pathlib import Path
 
-import datasets
 import numpy as np
 import numpy.typing as npt
-import pyarrow as pa
-from datasets.table import InMemoryTable
 
-from .dataset import LOSS_MASK, SEQ_LEN, TOKENS, TokenDataset, open_dataset
+from ._writer import check_target, write_dataset
+from .dataset import TokenDataset
 from .errors import ConfigError
 from .schedule.config import PRODUCTION_BOUNDS
 
@@ -93,17 +76,6 @@ OVERLONG_FRACTION = 0.003
 # Over-long rows reach up to this multiple of max_seq_len.
 _OVERLONG_MAX = 1.5
 
-# A record batch holds at most about this many tokens (a longer one is split).
-BLOCK_TOKENS = 1 << 24
-# save_to_disk's defaults: shards of at most about this many bytes ("500MB"), record
-# batches of at most _BATCH_ROWS rows and, for long rows, about _BATCH_BYTES bytes.
-_MAX_SHARD_SIZE = 500 * 10**6
-_BATCH_ROWS = 1000
-_BATCH_BYTES = 100 * 10**6
-# Record batches generated but not yet written, at most.
-_IN_FLIGHT = 2
-# At this many tokens or more, list columns need 64-bit offsets (large_list).
-_LARGE_LIST_TOKENS = 2**31
 # Row tokens are windows of one random pool of this many tokens (plus the longest row).
 _POOL_TOKENS = 1 << 22
 _PROMPT_MAX_FRACTION = 0.25
@@ -114,8 +86,6 @@ _STREAM_TOKENS = 2
 _STREAM_ROWS = 3
 
 _FORMAT_TAG = "ladle-synth-v1"
-_STATE = "state.json"
-_INFO = "dataset_info.json"
 
 
 def _rng(seed: int, stream: int) -> np.random.Generator:
@@ -227,11 +197,7 @@ def make_dataset(
     _check_common(rows, seed, scale, max_seq_len)
     if not 2 <= vocab_size <= 2**31:
         raise ConfigError("vocab_size", f"must be in [2, 2**31] for int32 tokens, got {vocab_size}")
-    target = Path(out)
-    if target.exists() and (not target.is_dir() or any(target.iterdir())):
-        raise ConfigError("out", f"{target} exists and is not an empty folder; refusing to overwrite it")
-    target.parent.mkdir(parents=True, exist_ok=True)
-
+    check_target(out)
     lengths = production_lengths(rows, seed, scale, max_seq_len)
     offsets = np.zeros(rows + 1, dtype=np.int64)
     np.cumsum(lengths, out=offsets[1:])
@@ -240,98 +206,18 @@ def make_dataset(
     prompt = np.floor(row_rng.random(rows) * _PROMPT_MAX_FRACTION * lengths).astype(np.int64)
     pool_size = _POOL_TOKENS + int(lengths.max())
     pool = _rng(seed, _STREAM_TOKENS).integers(1, vocab_size, size=pool_size, dtype=np.int32)
-    large = int(offsets[-1]) >= _LARGE_LIST_TOKENS
+
+    def rows_of(first: int, last: int) -> tuple[I32, npt.NDArray[np.int8]]:
+        return _rows(first, last, offsets, lengths, starts, prompt, pool)
+
     identity = f"{_FORMAT_TAG}:{rows}:{seed}:{scale!r}:{max_seq_len}:{vocab_size}:{with_seq_len}"
-    hf_fingerprint = hashlib.blake2b(identity.encode(), digest_size=8).hexdigest()
-    shards, batch_rows = _layout(offsets, large, with_seq_len)
-    names = [f"data-{k:05d}-of-{len(shards) - 1:05d}.arrow" for k in range(len(shards) - 1)]
-
-    def batch(first: int, last: int, schema: pa.Schema) -> pa.RecordBatch:
-        return _block(first, last, offsets, lengths, starts, prompt, pool, schema, large)
-
-    with tempfile.TemporaryDirectory(prefix=f".{target.name}.ladle-synth-", dir=target.parent) as tmp:
-        staged = Path(tmp, "dataset")
-        probe = Path(tmp, "probe")
-        schema = _save_probe(probe, batch(0, 1, _schema(large, with_seq_len)), hf_fingerprint)
-        staged.mkdir()
-        _write_shards(
-            [staged / name for name in names],
-            schema,
-            (
-                (shard, batch(first, last, schema))
-                for shard, first, last in _blocks(offsets, shards, batch_rows)
-            ),
-        )
-        state = json.loads((probe / _STATE).read_text(encoding="utf-8"))
-        state["_data_files"] = [{"filename": name} for name in names]
-        with open(staged / _STATE, "w", encoding="utf-8") as state_file:
-            json.dump(state, state_file, indent=2, sort_keys=True)
-        os.replace(probe / _INFO, staged / _INFO)
-        os.replace(staged, target)
-    return open_dataset(target)
+    return write_dataset(out, lengths, rows_of, identity=identity, with_seq_len=with_seq_len)
 
 
-def _schema(large: bool, with_seq_len: bool) -> pa.Schema:
-    list_type = pa.large_list if large else pa.list_
-    fields = [pa.field(TOKENS, list_type(pa.int32())), pa.field(LOSS_MASK, list_type(pa.int8()))]
-    if with_seq_len:
-        fields.append(pa.field(SEQ_LEN, pa.int32()))
-    return pa.schema(fields)
-
-
-def _layout(offsets: I64, large: bool, with_seq_len: bool) -> tuple[I64, int]:
-    """Shard edges ``[0, ..., rows]`` and rows per record batch, as ``save_to_disk`` chooses them.
-
-    ``save_to_disk`` writes ``int(nbytes / max_shard_size) + 1`` shards (at most
-    one per row) of contiguous, equal row ranges (the first ``rows % shards``
-    one row longer) in record batches of ``min(1000, rows * 100MB // nbytes)``
-    rows; ``nbytes`` is the Arrow size of the columns, here computed from the
-    lengths (values, list offsets, ``seq_len``) instead of measured.
-    """
-    rows = len(offsets) - 1
-    offset_bytes = 8 if large else 4
-    nbytes = 5 * int(offsets[-1]) + 2 * offset_bytes * (rows + 1) + (4 * rows if with_seq_len else 0)
-    count = min(rows, int(nbytes / _MAX_SHARD_SIZE) + 1)
-    size, extra = divmod(rows, count)
-    index = np.arange(count + 1, dtype=np.int64)
-    shards = index * size + np.minimum(index, extra)
-    batch_rows = min(_BATCH_ROWS, max(1, rows * _BATCH_BYTES // nbytes))
-    return shards, batch_rows
-
-
-def _blocks(offsets: I64, shards: I64, batch_rows: int) -> Iterator[tuple[int, int, int]]:
-    """``(shard, first, last)``: the record batches, rows ``[first, last)``, in order.
-
-    Each shard is cut into batches of ``batch_rows`` rows from its first row;
-    a batch of more than ``BLOCK_TOKENS`` tokens is cut again at the row
-    holding each further multiple of ``BLOCK_TOKENS`` tokens past its start
-    (at least one row each: rows are never empty).
-    """
-    for shard, (begin, end) in enumerate(zip(shards[:-1].tolist(), shards[1:].tolist(), strict=True)):
-        for first in range(begin, end, batch_rows):
-            last = min(first + batch_rows, end)
-            base = int(offsets[first])
-            if int(offsets[last]) - base <= BLOCK_TOKENS:
-                yield shard, first, last
-                continue
-            marks = np.arange(base, int(offsets[last]), BLOCK_TOKENS, dtype=np.int64)
-            edges = np.unique(np.r_[np.searchsorted(offsets, marks, side="right") - 1, last])
-            for a, b in zip(edges[:-1].tolist(), edges[1:].tolist(), strict=True):
-                yield shard, a, b
-
-
-def _block(
-    first: int,
-    last: int,
-    offsets: I64,
-    lengths: I32,
-    starts: I64,
-    prompt: I64,
-    pool: I32,
-    schema: pa.Schema,
-    large: bool,
-) -> pa.RecordBatch:
-    """Rows ``[first, last)`` as one record batch, built with whole-array numpy operations."""
+def _rows(
+    first: int, last: int, offsets: I64, lengths: I32, starts: I64, prompt: I64, pool: I32
+) -> tuple[I32, npt.NDArray[np.int8]]:
+    """Tokens and loss mask of rows ``[first, last)``, built with whole-array numpy operations."""
     local = offsets[first : last + 1] - offsets[first]
     count = lengths[first:last]
     n = int(local[-1])
@@ -342,90 +228,4 @@ def _block(
     tokens = pool[index]
     del index
     mask = (position >= np.repeat((local[:-1] + prompt[first:last]).astype(index_type), count)).view(np.int8)
-    list_array = pa.LargeListArray if large else pa.ListArray
-    list_offsets = pa.array(local if large else local.astype(np.int32))
-    columns = [
-        list_array.from_arrays(list_offsets, pa.array(tokens)),
-        list_array.from_arrays(list_offsets, pa.array(mask)),
-    ]
-    if len(schema) == 3:
-        columns.append(pa.array(count))
-    return pa.RecordBatch.from_arrays(columns, schema=schema)
-
-
-def _save_probe(probe: Path, row: pa.RecordBatch, fingerprint: str) -> pa.Schema:
-    """Let ``save_to_disk`` save ``row`` into ``probe``; return the schema of its shard.
-
-    The shard schema (with the ``huggingface`` features metadata),
-    ``state.json`` (with ``_fingerprint``) and ``dataset_info.json`` it writes
-    are those of the full dataset, whose shards are then written directly.
-    """
-    dataset = datasets.Dataset(InMemoryTable(pa.Table.from_batches([row])), fingerprint=fingerprint)
-    with _quiet_progress():
-        dataset.save_to_disk(str(probe))
-    files = json.loads((probe / _STATE).read_text(encoding="utf-8"))["_data_files"]
-    with pa.OSFile(str(probe / files[0]["filename"]), "rb") as source:
-        schema: pa.Schema = pa.ipc.open_stream(source).schema
-    if not schema.remove_metadata().equals(row.schema.remove_metadata()):
-        raise RuntimeError(f"datasets saved the schema {schema} for the rows {row.schema}")
-    return schema
-
-
-def _write_shards(
-    paths: list[Path], schema: pa.Schema, batches: Iterable[tuple[int, pa.RecordBatch]]
-) -> None:
-    """Write ``(shard, batch)`` in order, shard ``k`` as one Arrow IPC stream ``paths[k]``.
-
-    One worker thread writes (Arrow releases the GIL) while the caller's
-    thread generates the next batch; at most ``_IN_FLIGHT`` batches wait.
-    Every shard must receive at least one batch, shards in increasing order.
-    """
-    open_shard: list[tuple[int, pa.NativeFile, pa.ipc.RecordBatchStreamWriter]] = []
-
-    def close() -> None:
-        while open_shard:
-            _, sink, writer = open_shard.pop()
-            try:
-                writer.close()
-            finally:
-                sink.close()
-
-    def write(shard: int, batch: pa.RecordBatch) -> None:
-        if not open_shard or open_shard[-1][0] != shard:
-            close()
-            sink = pa.OSFile(str(paths[shard]), "wb")
-            try:
-                writer = pa.ipc.new_stream(sink, schema)
-            except BaseException:
-                sink.close()
-                raise
-            open_shard.append((shard, sink, writer))
-        open_shard[-1][2].write_batch(batch)
-
-    pending: deque[Future[None]] = deque()
-    try:
-        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="ladle-synth-writer") as pool:
-            try:
-                for shard, batch in batches:
-                    if len(pending) >= _IN_FLIGHT:
-                        pending.popleft().result()
-                    pending.append(pool.submit(write, shard, batch))
-                while pending:
-                    pending.popleft().result()
-            finally:
-                for future in pending:
-                    future.cancel()
-    finally:
-        close()
-
-
-@contextlib.contextmanager
-def _quiet_progress() -> Iterator[None]:
-    """Silence ``datasets``' progress bars for the duration, then restore the previous setting."""
-    enabled = datasets.is_progress_bar_enabled()
-    datasets.disable_progress_bars()
-    try:
-        yield
-    finally:
-        if enabled:
-            datasets.enable_progress_bars()
+    return tokens, mask

@@ -142,6 +142,13 @@ class ScheduleConfig(BaseModel):
         merged = {**table, **(overrides or {})}
         return cls.from_mapping(merged)
 
+    def to_toml(self) -> str:
+        """A ``[schedule]`` table of every field, which ``from_toml`` reads back to an equal config."""
+        lines = ["[schedule]"]
+        for key, value in self.model_dump(mode="json").items():
+            lines.append(f"{key} = {json.dumps(value)}")
+        return "\n".join(lines) + "\n"
+
     def replace(self, **changes: Any) -> ScheduleConfig:
         """A validated copy with some fields changed."""
         return self.from_mapping({**self.model_dump(), **changes})

@@ -34,6 +34,7 @@ __all__ = [
     "Quality",
     "bucket_table",
     "longest_runs",
+    "loss_figures",
     "loss_levels",
     "quality",
     "simulate_loss",
@@ -266,11 +267,22 @@ def simulate_loss(
     lv = loss_levels(sched.num_buckets) if levels is None else np.asarray(levels, dtype=np.float64)
     rng = generator(sched.config.seed, sched.epoch, STAGE_LOSS_NOISE)
     per_batch = lv[sched.buckets] + rng.normal(0.0, noise, size=sched.buckets.shape)
-    per_step = per_batch.mean(axis=1)
-    n = len(per_step) // window
+    return loss_figures(per_batch.mean(axis=1), window=window)
+
+
+def loss_figures(per_step: npt.ArrayLike, *, window: int = 2) -> LossFigures:
+    """The ladder's figures of a logged loss (one value per step, simulated or measured).
+
+    The steps are averaged over consecutive, non-overlapping windows of
+    ``window`` steps (a last partial window is left out); the figures are the
+    std of those windowed values and the longest streak of windows above
+    their mean.
+    """
+    values = np.asarray(per_step, dtype=np.float64)
+    n = len(values) // window
     if n == 0:
         return LossFigures(0.0, 0, 0)
-    windowed = per_step[: n * window].reshape(n, window).mean(axis=1)
+    windowed = values[: n * window].reshape(n, window).mean(axis=1)
     above = windowed > windowed.mean()
     return LossFigures(round(float(windowed.std()), 4), _longest_true_run(above), n)
 

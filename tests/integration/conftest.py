@@ -25,7 +25,7 @@ SMALL_CONFIG = [
 
 @dataclass
 class ServerProcess:
-    """One ``ladle serve`` child process; ``address`` once it is serving."""
+    """One ``ladle serve`` child process; ``address`` (gRPC) and ``http_url`` once it is serving."""
 
     dataset: Path
     state: Path
@@ -34,14 +34,21 @@ class ServerProcess:
     proc: subprocess.Popen[bytes] | None = None
     address: str = ""
     port: int = 0
+    http_port: int = 0
+
+    @property
+    def http_url(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}"
 
     def start(self, timeout: float = 60.0) -> ServerProcess:
         ready = self.workdir / f"ready-{time.monotonic_ns()}"
+        http_ready = ready.with_name(ready.name + ".http")
         log = (self.workdir / "server.log").open("ab")
         cmd = [
             str(Path(sys.executable).with_name("ladle")), "serve", str(self.dataset),
             "--host", "127.0.0.1", "--grpc-port", str(self.port), "--state", str(self.state),
-            "--ready-file", str(ready), "--grace", "1", *SMALL_CONFIG, *self.extra,
+            "--ready-file", str(ready), "--http-port", "0", "--http-ready-file", str(http_ready),
+            "--grace", "1", *SMALL_CONFIG, *self.extra,
         ]  # fmt: skip
         self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout
@@ -54,6 +61,7 @@ class ServerProcess:
             time.sleep(0.05)
         self.address = ready.read_text()
         self.port = int(self.address.rsplit(":", 1)[1])
+        self.http_port = int(http_ready.read_text().rsplit(":", 1)[1])  # written before the gRPC file
         return self
 
     def log_tail(self) -> str:
@@ -92,6 +100,17 @@ def small_dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("serve-ds") / "ds"
     make_dataset(out, 2000, seed=3, scale=1 / 16)
     return out
+
+
+@pytest.fixture(scope="module")
+def module_server(small_dataset: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """One ``ladle serve`` shared by a module's tests (each test uses its own job names)."""
+    workdir = tmp_path_factory.mktemp("module-server")
+    server = ServerProcess(small_dataset, workdir / "state.db", workdir)
+    try:
+        yield server.start()
+    finally:
+        server.kill()
 
 
 @pytest.fixture

@@ -151,7 +151,7 @@ def test_serve_passes_the_store_options(monkeypatch: pytest.MonkeyPatch, tmp_pat
             seen.update(kwargs)
 
     monkeypatch.setattr(server_module, "BatchServer", FakeServer)
-    monkeypatch.setattr(server_module, "serve_forever", lambda server, ready_file=None: 0)
+    monkeypatch.setattr(server_module, "serve_forever", lambda server, **files: 0)
     monkeypatch.delenv(cli.REDIS_URL_ENV, raising=False)
     assert cli.main(["serve", str(tmp_path), "--redis-url", "redis://h:1/2", "--job-ttl", "60"]) == 0
     assert (seen["redis_url"], seen["job_ttl_s"]) == ("redis://h:1/2", 60.0)

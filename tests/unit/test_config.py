@@ -37,6 +37,21 @@ def test_toml_then_overrides(tmp_path: Path) -> None:
     assert (c.seed, c.rank_mode, c.bucket_bounds) == (9, "sync", (0, 100, 8193))
 
 
+@pytest.mark.parametrize(
+    "config",
+    [
+        ScheduleConfig(),
+        ScheduleConfig(bucket_bounds="auto", num_buckets=4, interleave="random", rank_mode="sync", seed=5),
+    ],
+)
+def test_to_toml_reads_back_equal(tmp_path: Path, config: ScheduleConfig) -> None:
+    path = tmp_path / "ladle.toml"
+    path.write_text(config.to_toml())
+    again = ScheduleConfig.from_toml(path)
+    assert again == config
+    assert again.fingerprint() == config.fingerprint()
+
+
 def test_toml_errors(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="no such file"):
         ScheduleConfig.from_toml(tmp_path / "missing.toml")

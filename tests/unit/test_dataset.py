@@ -13,7 +13,7 @@ import pyarrow as pa
 import pytest
 from datasets.table import InMemoryTable
 
-from ladle.service import synth
+from ladle.service import _writer, synth
 from ladle.service.dataset import FINGERPRINT_SAMPLE, TokenDataset, open_dataset
 from ladle.service.errors import (
     ConfigError,
@@ -145,7 +145,7 @@ def test_make_dataset_is_deterministic(tmp_path: Path) -> None:
 
 def test_make_dataset_blocks_do_not_change_rows(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     whole = make_dataset(tmp_path / "whole", 400, seed=2, scale=TINY)
-    monkeypatch.setattr(synth, "BLOCK_TOKENS", 500)
+    monkeypatch.setattr(_writer, "BLOCK_TOKENS", 500)
     blocked = make_dataset(tmp_path / "blocked", 400, seed=2, scale=TINY)
     assert whole.num_tokens > 10 * 500, "several blocks were written"
     assert blocked.fingerprint == whole.fingerprint
@@ -154,7 +154,7 @@ def test_make_dataset_blocks_do_not_change_rows(tmp_path: Path, monkeypatch: pyt
 
 def test_make_dataset_large_list(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     small_lists = make_dataset(tmp_path / "small", 60, seed=4, scale=TINY)
-    monkeypatch.setattr(synth, "_LARGE_LIST_TOKENS", 0)
+    monkeypatch.setattr(_writer, "_LARGE_LIST_TOKENS", 0)
     large = make_dataset(tmp_path / "large", 60, seed=4, scale=TINY)
     assert large.table.schema.field("input_ids").type == pa.large_list(pa.int32())
     assert large.table.schema.field("loss_mask").type == pa.large_list(pa.int8())
@@ -163,7 +163,7 @@ def test_make_dataset_large_list(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 
 
 def test_make_dataset_writes_several_shards(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(synth, "_MAX_SHARD_SIZE", 20_000)
+    monkeypatch.setattr(_writer, "_MAX_SHARD_SIZE", 20_000)
     ds = make_dataset(tmp_path / "ds", 500, seed=0, scale=TINY)
     shards = sorted(p.name for p in (tmp_path / "ds").glob("data-*.arrow"))
     assert len(shards) > 1
@@ -236,9 +236,9 @@ def test_make_dataset_matches_save_to_disk(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, with_seq_len: bool, large: bool
 ) -> None:
     """The folder written shard by shard is the one ``Dataset.save_to_disk`` writes for the same rows."""
-    monkeypatch.setattr(synth, "_MAX_SHARD_SIZE", 30_000)
+    monkeypatch.setattr(_writer, "_MAX_SHARD_SIZE", 30_000)
     if large:
-        monkeypatch.setattr(synth, "_LARGE_LIST_TOKENS", 0)
+        monkeypatch.setattr(_writer, "_LARGE_LIST_TOKENS", 0)
     rows, seed = 500, 6
     ours = tmp_path / "ours"
     make_dataset(ours, rows, seed, scale=TINY, with_seq_len=with_seq_len)
@@ -249,7 +249,7 @@ def test_make_dataset_matches_save_to_disk(
         seq_len=[len(tokens) for tokens, _ in expected] if with_seq_len else None,
         list_type=pa.large_list if large else pa.list_,
     )
-    reference = save_table(tmp_path / "reference", table, max_shard_size=synth._MAX_SHARD_SIZE)
+    reference = save_table(tmp_path / "reference", table, max_shard_size=_writer._MAX_SHARD_SIZE)
 
     files = sorted(p.name for p in ours.iterdir())
     assert files == sorted(p.name for p in reference.iterdir())
@@ -296,7 +296,7 @@ def test_make_dataset_leaves_nothing_when_it_fails(
 ) -> None:
     """A failure while generating rows, or in the writer thread, leaves neither ``out`` nor a temp folder."""
     made = 0
-    block = synth._block
+    block = _writer._block
 
     def failing_block(*args: Any) -> pa.RecordBatch:
         nonlocal made
@@ -308,8 +308,8 @@ def test_make_dataset_leaves_nothing_when_it_fails(
             raise OSError("disk full")
         return pa.RecordBatch.from_arrays(batch.columns[:1], names=batch.schema.names[:1])
 
-    monkeypatch.setattr(synth, "_block", failing_block)
-    monkeypatch.setattr(synth, "_MAX_SHARD_SIZE", 20_000)
+    monkeypatch.setattr(_writer, "_block", failing_block)
+    monkeypatch.setattr(_writer, "_MAX_SHARD_SIZE", 20_000)
     with pytest.raises((OSError, ValueError), match="disk full" if where == "generating" else "schema"):
         make_dataset(tmp_path / "ds", 500, seed=0, scale=TINY)
     assert made > 5

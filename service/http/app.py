@@ -1,0 +1,301 @@
+"""The HTTP face: a FastAPI app that shows the jobs, schedules and cursors of one batch server.
+
+Read-only. Every handler that touches a schedule or the store is a plain
+function, which FastAPI runs in its thread pool, so a schedule that takes a
+second to build never stalls the event loop. Errors map once from
+``LadleError.kind`` to an HTTP status (``HTTP_STATUS``) with an ``ErrorBody``;
+a malformed parameter gets FastAPI's 422. Nothing a client sends gives a 5xx.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import asdict
+from typing import Annotated, Any, Final, Literal
+
+from fastapi import FastAPI, Path, Query, Request
+from fastapi.responses import HTMLResponse, JSONResponse, Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+import ladle
+
+from ..errors import LadleError
+from ..jobs import Job
+from ..metrics import CONTENT_TYPE, ServerMetrics
+from ..store.base import MAX_INDEX, MAX_JOB_NAME_LEN, JobState
+from . import page
+from .inspector import DEFAULT_PAGE_STEPS, MAX_PAGE_STEPS, Inspector, Interleave
+from .models import (
+    BucketReport,
+    CursorReport,
+    ErrorBody,
+    Health,
+    JobDetail,
+    JobList,
+    QualityReport,
+    Readiness,
+    SchedulePage,
+)
+
+__all__ = ["HTTP_STATUS", "create_app"]
+
+log = logging.getLogger("ladle.http")
+
+HTTP_STATUS: Final = {
+    "invalid_argument": 400,
+    "not_found": 404,
+    "failed_precondition": 409,
+    "resource_exhausted": 429,
+    "unavailable": 503,
+    "internal": 500,
+}
+
+JOB_PATTERN: Final = rf"^[A-Za-z0-9._:-]{{1,{MAX_JOB_NAME_LEN}}}$"
+
+JobName = Annotated[
+    str, Path(pattern=JOB_PATTERN, description="the job's name, as its trainers gave it", examples=["run-42"])
+]
+Epoch = Annotated[
+    int | None, Query(ge=0, le=MAX_INDEX, description="default: the epoch of the job's slowest rank")
+]
+InterleaveQuery = Annotated[
+    Interleave | None,
+    Query(description="another interleaving of the same config: `random` is the naive shuffle baseline"),
+]
+
+
+def _errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    return {status: {"model": ErrorBody} for status in statuses}
+
+
+_JOB_ERRORS = _errors(400, 404, 409, 503)
+
+
+def _error_response(exc: LadleError) -> JSONResponse:
+    status = HTTP_STATUS.get(exc.kind, 500)
+    body = ErrorBody(detail=str(exc), kind=exc.kind, field=getattr(exc, "field", None) or None)
+    return JSONResponse(body.model_dump(), status_code=status)
+
+
+class _CountErrors:
+    """ASGI middleware: every response of status >= 400 counts in ``ladle_errors_total{face="http"}``."""
+
+    def __init__(self, app: ASGIApp, metrics: ServerMetrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def watch(message: Message) -> None:
+            if message["type"] == "http.response.start" and message["status"] >= 400:
+                self.metrics.error("http", str(message["status"]))
+            await send(message)
+
+        await self.app(scope, receive, watch)
+
+
+def _summary(inspector: Inspector, state: JobState) -> dict[str, Any]:
+    """A job as stored: identity and the spread of its ranks' stored positions (no schedule built)."""
+    positions = [r.position for r in state.ranks]
+    low, high = min(positions), max(positions)
+    return {
+        "job": state.job,
+        "world_size": state.spec.world_size,
+        "served": inspector.served(state),
+        "dataset_fingerprint": state.spec.dataset_fingerprint,
+        "config_fingerprint": state.spec.config_fingerprint,
+        "epoch": low.epoch,
+        "min_position": {"epoch": low.epoch, "step": low.step},
+        "max_position": {"epoch": high.epoch, "step": high.step},
+        "created": state.created,
+        "updated": state.updated,
+        "incarnation": state.incarnation,
+        "resizes": len(state.plan),
+    }
+
+
+def _dataset(inspector: Inspector) -> dict[str, Any]:
+    ds = inspector.dataset
+    return {"path": ds.path, "rows": ds.num_rows, "fingerprint": ds.fingerprint}
+
+
+def create_app(inspector: Inspector, metrics: ServerMetrics | None = None) -> FastAPI:
+    """The app for one server: ``inspector`` reads its jobs, ``metrics`` is what /metrics exposes."""
+    metrics = metrics if metrics is not None else ServerMetrics()
+    app = FastAPI(
+        title="ladle",
+        version=ladle.__version__,
+        description="Inspect a ladle batch server: its jobs, each epoch's schedule, the ranks' cursors "
+        "and Prometheus metrics. Read-only. Large answers are paged.",
+    )
+    app.add_middleware(_CountErrors, metrics=metrics)
+
+    @app.exception_handler(LadleError)
+    async def _ladle_error(request: Request, exc: LadleError) -> JSONResponse:
+        return _error_response(exc)
+
+    @app.exception_handler(Exception)
+    async def _crash(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("HTTP %s %s failed", request.method, request.url.path)
+        body = ErrorBody(detail=f"internal error: {type(exc).__name__}", kind="internal")
+        return JSONResponse(body.model_dump(), status_code=500)
+
+    def served_job(name: str) -> tuple[Job, JobState]:
+        state = inspector.state(name)
+        return inspector.job(state), state
+
+    def shown(name: str, epoch: int | None, interleave: Interleave | None) -> tuple[Job, int]:
+        """The job (or its other interleaving) and the epoch asked for (default: the slowest rank's)."""
+        served, state = served_job(name)
+        e = inspector.epoch_of(served, state) if epoch is None else epoch
+        return inspector.variant(served, interleave), e
+
+    @app.get("/healthz", tags=["health"])
+    async def healthz() -> Health:
+        """The process is alive and answering."""
+        return Health()
+
+    @app.get(
+        "/readyz",
+        tags=["health"],
+        responses={503: {"model": Readiness, "description": "the store cannot be reached"}},
+    )
+    def readyz() -> JSONResponse:
+        """Ready to serve: the dataset is open and the cursor store answers (else 503)."""
+        dataset_ok = inspector.dataset_ok()
+        error = inspector.store_error()
+        body = Readiness.model_validate(
+            {
+                "ready": dataset_ok and error is None,
+                "dataset": _dataset(inspector),
+                "dataset_ok": dataset_ok,
+                "store": {"ok": error is None, "store": repr(inspector.store), "error": error},
+            }
+        )
+        return JSONResponse(body.model_dump(), status_code=200 if body.ready else 503)
+
+    @app.get("/v1/jobs", tags=["jobs"], responses=_errors(503))
+    def list_jobs() -> JobList:
+        """Every job in the cursor store, with its stored positions (`served`: its schedule is shown here)."""
+        states = inspector.job_states()
+        return JobList.model_validate(
+            {
+                "dataset": _dataset(inspector),
+                "config_fingerprint": inspector.config.fingerprint(),
+                "jobs": [_summary(inspector, s) for s in states],
+            }
+        )
+
+    @app.get("/v1/jobs/{job}", tags=["jobs"], responses=_JOB_ERRORS)
+    def get_job(job: JobName) -> JobDetail:
+        """A job's config, fingerprints, world size, epoch and progress."""
+        state = inspector.state(job)
+        doc = _summary(inspector, state)
+        doc["resize_history"] = [
+            {"world_size": r.world_size, "cut": [{"epoch": p.epoch, "step": p.step} for p in r.cut]}
+            for r in state.plan
+        ]
+        doc.update(schedule_fingerprint=None, config=None, steps_per_epoch=None, progress=None)
+        if doc["served"]:
+            served = inspector.job(state)
+            slowest = min(r.position for r in state.ranks)
+            steps = served.steps(slowest.epoch)
+            doc.update(
+                schedule_fingerprint=served.fingerprint,
+                config=inspector.config,
+                steps_per_epoch=steps,
+                progress=round(min(1.0, slowest.step / steps), 4) if steps else 1.0,
+            )
+        return JobDetail.model_validate(doc)
+
+    @app.get("/v1/jobs/{job}/buckets", tags=["schedule"], responses=_JOB_ERRORS)
+    def get_buckets(job: JobName, epoch: Epoch = None, interleave: InterleaveQuery = None) -> BucketReport:
+        """The per-bucket table of an epoch: the same rows as `ladle plan --json` for the job's world size."""
+        variant, e = shown(job, epoch, interleave)
+        sched = inspector.schedule(variant, e)
+        return BucketReport.model_validate(
+            {
+                "job": job,
+                "epoch": e,
+                "world_size": variant.world_size,
+                "interleave": variant.config.interleave,
+                "num_steps": sched.num_steps,
+                "bucket_bounds": list(sched.bounds),
+                "padding_efficiency": inspector.table(variant, e).padding_efficiency,
+                "dropped": sched.dropped.counts,
+                "buckets": inspector.buckets(variant, e),
+            }
+        )
+
+    @app.get("/v1/jobs/{job}/schedule", tags=["schedule"], responses=_JOB_ERRORS)
+    def get_schedule(
+        job: JobName,
+        epoch: Epoch = None,
+        start: Annotated[int, Query(ge=0, le=MAX_INDEX, description="first step of the page")] = 0,
+        limit: Annotated[
+            int, Query(ge=1, le=MAX_PAGE_STEPS, description="steps per page (fewer if the batch cap is hit)")
+        ] = DEFAULT_PAGE_STEPS,
+        rank: Annotated[int | None, Query(ge=0, le=MAX_INDEX, description="one rank only")] = None,
+        include: Annotated[
+            Literal["samples"] | None, Query(description="`samples`: each batch's row indices too")
+        ] = None,
+        interleave: InterleaveQuery = None,
+    ) -> SchedulePage:
+        """A page of an epoch's batches, step-major: bucket, rows, padded length, real and padded tokens."""
+        variant, e = shown(job, epoch, interleave)
+        doc = inspector.page(variant, e, start=start, limit=limit, rank=rank, samples=include == "samples")
+        return SchedulePage.model_validate({"job": job, **doc})
+
+    @app.get("/v1/jobs/{job}/quality", tags=["schedule"], responses=_JOB_ERRORS)
+    def get_quality(job: JobName, epoch: Epoch = None, interleave: InterleaveQuery = None) -> QualityReport:
+        """An epoch's quality figures (runs and their bounds, share deviation, distinct buckets, padding)
+        and the simulated loss (bucket loss levels plus noise)."""
+        variant, e = shown(job, epoch, interleave)
+        return QualityReport.model_validate(
+            {
+                "job": job,
+                "epoch": e,
+                "world_size": variant.world_size,
+                "interleave": variant.config.interleave,
+                "quality": asdict(inspector.quality(variant, e)),
+                "simulated_loss": asdict(inspector.loss(variant, e)),
+            }
+        )
+
+    @app.get("/v1/jobs/{job}/cursor", tags=["jobs"], responses=_JOB_ERRORS)
+    def get_cursor(job: JobName) -> CursorReport:
+        """Each rank's epoch and step, progress, lag behind the leading rank, last seen and generation."""
+        served, state = served_job(job)
+        return CursorReport.model_validate(inspector.cursor(served, state))
+
+    @app.get(
+        "/metrics",
+        tags=["health"],
+        response_class=Response,
+        responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}}},
+    )
+    def get_metrics() -> Response:
+        """Prometheus metrics (text format)."""
+        return Response(metrics.exposition(), media_type=CONTENT_TYPE)
+
+    @app.get("/", response_class=HTMLResponse, tags=["page"], responses=_errors(400, 404, 409, 503))
+    def index(
+        job: Annotated[str | None, Query(pattern=JOB_PATTERN)] = None,
+        epoch: Epoch = None,
+        start: Annotated[int, Query(ge=0, le=MAX_INDEX)] = 0,
+        world_size: Annotated[
+            int, Query(ge=1, le=1024, description="the preview's world size when there is no job")
+        ] = page.PREVIEW_WORLD_SIZE,
+    ) -> HTMLResponse:
+        """The page for people: the epoch's ribbon of buckets beside a random shuffle's, the bucket
+        table, each rank's progress and lag (refreshed while the job runs)."""
+        try:
+            html = page.render(inspector, job=job, epoch=epoch, start=start, world_size=world_size)
+        except LadleError as exc:
+            return HTMLResponse(page.render_error(exc), status_code=HTTP_STATUS.get(exc.kind, 500))
+        return HTMLResponse(html)
+
+    return app

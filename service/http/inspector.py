@@ -1,0 +1,308 @@
+"""What the HTTP face shows about jobs: schedules, tables, figures and cursors, cached.
+
+Schedules come from each ``Job``'s own cache, the one the gRPC streams use, so
+inspecting a running job builds nothing twice. A job's random-shuffle baseline
+is a ``Job`` of the same config with ``interleave="random"``; the per-batch
+table and the figures derived from a schedule are kept for a few recent
+(schedule, epoch) pairs. Every figure comes from ``ladle.service.schedule.stats``,
+as ``ladle plan`` computes it. The methods block (a schedule of a big dataset
+takes about a second): call them off an event loop.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Final, Literal, TypeVar
+
+import numpy as np
+import numpy.typing as npt
+
+from ..errors import ConfigError, LadleError
+from ..jobs import Job, JobRegistry
+from ..schedule import Schedule
+from ..schedule.stats import BucketRow, LossFigures, Quality, bucket_table, quality, simulate_loss
+from ..store.base import JobState, Position
+
+__all__ = [
+    "DEFAULT_PAGE_STEPS",
+    "MAX_PAGE_BATCHES",
+    "MAX_PAGE_BATCHES_WITH_SAMPLES",
+    "MAX_PAGE_STEPS",
+    "PREVIEW_WORLD_SIZE",
+    "BatchTable",
+    "Inspector",
+    "Interleave",
+]
+
+Interleave = Literal["stride", "random"]
+I64 = npt.NDArray[np.int64]
+T = TypeVar("T")
+
+# A schedule page holds at most MAX_PAGE_STEPS steps and MAX_PAGE_BATCHES batches
+# (fewer with row indices); a shortened page says where to go on in next_start.
+DEFAULT_PAGE_STEPS: Final = 200
+MAX_PAGE_STEPS: Final = 1000
+MAX_PAGE_BATCHES: Final = 4096
+MAX_PAGE_BATCHES_WITH_SAMPLES: Final = 1024
+# The world size the page shows a dataset's schedule for when no job exists yet.
+PREVIEW_WORLD_SIZE: Final = 8
+# Epochs apart beyond which a rank's lag is estimated from its own epoch's length.
+_EXACT_LAG_EPOCHS = 3
+
+
+@dataclass(frozen=True)
+class BatchTable:
+    """Per-batch figures of one epoch, each ``[num_steps, world_size]``."""
+
+    buckets: I64
+    rows: I64
+    padded_len: I64
+    real_tokens: I64
+
+    @property
+    def padding_efficiency(self) -> float:
+        padded = int((self.rows * self.padded_len).sum())
+        return round(int(self.real_tokens.sum()) / padded, 4) if padded else 0.0
+
+
+class _Memo:
+    """A small thread-safe LRU of computed values (two threads may compute one value; both agree)."""
+
+    def __init__(self, size: int) -> None:
+        self._size = size
+        self._items: OrderedDict[tuple[Any, ...], Any] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, key: tuple[Any, ...], make: Callable[[], T]) -> T:
+        with self._lock:
+            if key in self._items:
+                self._items.move_to_end(key)
+                value: T = self._items[key]
+                return value
+        value = make()
+        with self._lock:
+            self._items[key] = value
+            while len(self._items) > self._size:
+                self._items.popitem(last=False)
+        return value
+
+
+class Inspector:
+    """Read-only views of the jobs one server serves (thread-safe)."""
+
+    def __init__(self, registry: JobRegistry) -> None:
+        self.registry = registry
+        self.dataset = registry.dataset
+        self.config = registry.config
+        self.store = registry.store
+        self._jobs = _Memo(8)  # previews, random baselines and jobs no stream has opened here
+        self._figures = _Memo(32)
+
+    # --- jobs ---
+
+    def job_states(self) -> list[JobState]:
+        return self.store.list_jobs()
+
+    def state(self, name: str) -> JobState:
+        """The stored job (``JobNotFoundError`` if there is none)."""
+        return self.store.get(name)
+
+    def served(self, state: JobState) -> bool:
+        """Whether this server's dataset and config are the job's (so it can derive the schedule)."""
+        return (state.spec.dataset_fingerprint, state.spec.config_fingerprint) == (
+            self.dataset.fingerprint,
+            self.config.fingerprint(),
+        )
+
+    def job(self, state: JobState) -> Job:
+        """The job as the gRPC face serves it (``JobMismatchError`` if this server cannot serve it).
+
+        A job no stream of this server has opened is kept here among a few
+        recent ones, so its schedules are built once however often it is shown.
+        """
+        job = self.registry.view(state)
+        if self.registry.get(state.job) is job:
+            return job
+        return self._jobs.get(("view", state.job, job.fingerprint, state.incarnation), lambda: job)
+
+    def preview(self, world_size: int = PREVIEW_WORLD_SIZE) -> Job:
+        """The schedule a new job of ``world_size`` ranks would follow (no store entry)."""
+        if not 1 <= world_size <= 1024:
+            raise ConfigError("world_size", f"must be in 1..1024, got {world_size}")
+        job = Job("preview", self.dataset, self.config, world_size, self.store)
+        return self._jobs.get(("job", job.fingerprint), lambda: job)
+
+    def variant(self, job: Job, interleave: Interleave | None) -> Job:
+        """``job`` itself, or the same job with another interleaving (``random``: the naive baseline)."""
+        if interleave is None or interleave == job.config.interleave:
+            return job
+        config = job.config.replace(interleave=interleave)
+        other = Job(job.name, job.dataset, config, job.world_size, job.store, plan=job.plan)
+        return self._jobs.get(("job", other.fingerprint), lambda: other)
+
+    def epoch_of(self, job: Job, state: JobState | None) -> int:
+        """The epoch the slowest rank is in (0 for a preview)."""
+        if state is None or not state.ranks:
+            return 0
+        return min(job.normalise(r.position) for r in state.ranks).epoch
+
+    # --- one epoch of a job ---
+
+    def schedule(self, job: Job, epoch: int) -> Schedule:
+        return job.schedule(epoch)
+
+    def table(self, job: Job, epoch: int) -> BatchTable:
+        def make() -> BatchTable:
+            sched = job.schedule(epoch)
+            return BatchTable(
+                sched.buckets,
+                sched.batch_rows(),
+                sched.batch_padded_len(),
+                sched.batch_real_tokens(),
+            )
+
+        return self._figures.get(("table", job.fingerprint, epoch), make)
+
+    def buckets(self, job: Job, epoch: int) -> list[BucketRow]:
+        return self._figures.get(
+            ("buckets", job.fingerprint, epoch), lambda: bucket_table(job.schedule(epoch))
+        )
+
+    def quality(self, job: Job, epoch: int) -> Quality:
+        return self._figures.get(("quality", job.fingerprint, epoch), lambda: quality(job.schedule(epoch)))
+
+    def loss(self, job: Job, epoch: int) -> LossFigures:
+        return self._figures.get(("loss", job.fingerprint, epoch), lambda: simulate_loss(job.schedule(epoch)))
+
+    def page(
+        self,
+        job: Job,
+        epoch: int,
+        *,
+        start: int = 0,
+        limit: int = DEFAULT_PAGE_STEPS,
+        rank: int | None = None,
+        samples: bool = False,
+    ) -> dict[str, Any]:
+        """Steps ``start..`` of an epoch: every batch's figures, for one rank or all, step-major.
+
+        A page holds at most ``limit`` steps and at most ``MAX_PAGE_BATCHES``
+        batches (``MAX_PAGE_BATCHES_WITH_SAMPLES`` with row indices);
+        ``next_start`` is the first step of the next page, None after the last.
+        A ``start`` at or past the end gives an empty page.
+        """
+        if rank is not None and not 0 <= rank < job.world_size:
+            raise ConfigError(
+                "rank", f"{rank} is outside 0..{job.world_size - 1} (world_size={job.world_size})"
+            )
+        if not 1 <= limit <= MAX_PAGE_STEPS:
+            raise ConfigError("limit", f"must be in 1..{MAX_PAGE_STEPS}, got {limit}")
+        if start < 0:
+            raise ConfigError("start", f"must be >= 0, got {start}")
+        table = self.table(job, epoch)
+        num_steps = int(table.buckets.shape[0])
+        ranks = [rank] if rank is not None else list(range(job.world_size))
+        cap = MAX_PAGE_BATCHES_WITH_SAMPLES if samples else MAX_PAGE_BATCHES
+        steps = max(1, min(limit, cap // len(ranks)))
+        first = min(start, num_steps)
+        stop = min(num_steps, first + steps)
+        cols = np.asarray(ranks, dtype=np.int64)
+        grid = np.arange(first, stop, dtype=np.int64)
+        step_ids = np.repeat(grid, len(ranks)).tolist()
+        rank_ids = np.tile(cols, len(grid)).tolist()
+        rows = table.rows[first:stop][:, cols].ravel()
+        padded_len = table.padded_len[first:stop][:, cols].ravel()
+        columns = zip(
+            step_ids,
+            rank_ids,
+            table.buckets[first:stop][:, cols].ravel().tolist(),
+            rows.tolist(),
+            padded_len.tolist(),
+            table.real_tokens[first:stop][:, cols].ravel().tolist(),
+            (rows * padded_len).tolist(),
+            strict=True,
+        )
+        keys = ("step", "rank", "bucket", "rows", "padded_len", "real_tokens", "padded_tokens")
+        batches = [dict(zip(keys, values, strict=True)) for values in columns]
+        if samples and batches:
+            sched = job.schedule(epoch)
+            for batch in batches:
+                batch["samples"] = sched.samples(batch["step"], batch["rank"]).tolist()
+        return {
+            "epoch": epoch,
+            "world_size": job.world_size,
+            "interleave": job.config.interleave,
+            "num_steps": num_steps,
+            "start": start,
+            "limit": steps,
+            "rank": rank,
+            "next_start": stop if stop < num_steps else None,
+            "batches": batches,
+        }
+
+    # --- where the ranks stand ---
+
+    def cursor(self, job: Job, state: JobState) -> dict[str, Any]:
+        """Each rank's position (normalised), progress through its epoch, and lag behind the leader."""
+        now = time.time()
+        positions = [job.normalise(r.position) for r in state.ranks]
+        lead = max(positions) if positions else Position(0, 0)
+        ranks = []
+        for r, pos in zip(state.ranks, positions, strict=True):
+            steps = job.steps(pos.epoch)
+            ranks.append(
+                {
+                    "rank": r.rank,
+                    "epoch": pos.epoch,
+                    "step": pos.step,
+                    "steps_in_epoch": steps,
+                    "progress": round(pos.step / steps, 4) if steps else 1.0,
+                    "lag_steps": self._steps_between(job, pos, lead),
+                    "generation": r.generation,
+                    "last_seen": r.last_seen,
+                    "seen_ago_s": round(max(0.0, now - r.last_seen), 3),
+                }
+            )
+        return {
+            "job": job.name,
+            "world_size": job.world_size,
+            "schedule_fingerprint": job.fingerprint,
+            "leader": {"epoch": lead.epoch, "step": lead.step},
+            "ranks": ranks,
+            "updated": state.updated,
+            "now": now,
+        }
+
+    @staticmethod
+    def _steps_between(job: Job, a: Position, b: Position) -> int:
+        """Steps from ``a`` to ``b`` (``a <= b``); exact across up to a few epochs, estimated beyond."""
+        if a.epoch == b.epoch:
+            return b.step - a.step
+        first = job.steps(a.epoch)
+        between = b.epoch - a.epoch - 1
+        if between <= _EXACT_LAG_EPOCHS:
+            middle = sum(job.steps(e) for e in range(a.epoch + 1, b.epoch))
+        else:
+            middle = between * first
+        return first - a.step + middle + b.step
+
+    # --- readiness ---
+
+    def dataset_ok(self) -> bool:
+        """The dataset was opened and validated at start-up; its folder must still be there."""
+        return Path(self.dataset.path).exists()
+
+    def store_error(self) -> str | None:
+        """Why the cursor store cannot be used now, or None when it answers."""
+        try:
+            self.store.ping()
+        except LadleError as exc:
+            return str(exc)
+        except Exception as exc:  # a store must raise StoreUnavailableError; readiness never crashes
+            return f"{type(exc).__name__}: {exc}"
+        return None

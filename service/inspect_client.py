@@ -1,0 +1,79 @@
+"""``ladle inspect``'s side of the wire: one job's report, fetched from a running server's HTTP API.
+
+Standard library only (urllib), so inspecting a server needs nothing the CLI
+does not already have. A server that cannot be reached, or that refuses a
+request, raises ``InspectError`` with the server's own message.
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.parse
+import urllib.request
+from typing import Any, Final
+
+from .errors import LadleError
+
+__all__ = ["DEFAULT_SERVER", "InspectError", "fetch", "fetch_report", "server_url"]
+
+DEFAULT_SERVER: Final = "http://127.0.0.1:8080"
+
+
+class InspectError(LadleError):
+    """The server could not be reached, or refused the request."""
+
+    kind = "unavailable"
+
+
+def server_url(server: str) -> str:
+    """``server`` as a base URL: ``host:port`` gets ``http://``; no trailing slash."""
+    server = server.strip()
+    if "://" not in server:
+        server = "http://" + server
+    return server.rstrip("/")
+
+
+def fetch(base: str, path: str, timeout: float = 30.0, **params: Any) -> Any:
+    """GET ``base + path`` with the given query parameters (None ones left out); the decoded JSON."""
+    query = urllib.parse.urlencode({k: v for k, v in params.items() if v is not None})
+    url = f"{base}{path}" + (f"?{query}" if query else "")
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as response:
+            return json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        try:
+            detail = json.loads(exc.read()).get("detail", exc.reason)
+        except (ValueError, AttributeError):
+            detail = exc.reason
+        raise InspectError(f"{url}: HTTP {exc.code}: {detail}") from None
+    except (urllib.error.URLError, OSError) as exc:
+        reason = getattr(exc, "reason", exc)
+        raise InspectError(f"cannot reach {base} ({reason}); is `ladle serve` running there?") from None
+
+
+def fetch_report(server: str, job: str | None = None, epoch: int | None = None) -> dict[str, Any]:
+    """Everything ``ladle inspect`` prints about one job (the served job updated last if none is named).
+
+    ``job`` is None in the result when the server has no job yet.
+    """
+    base = server_url(server)
+    listing = fetch(base, "/v1/jobs")
+    doc: dict[str, Any] = {
+        "server": base,
+        "dataset": listing["dataset"],
+        "jobs": listing["jobs"],
+        "job": None,
+    }
+    if job is None:
+        served = [j for j in listing["jobs"] if j["served"]]
+        if not served:
+            return doc
+        job = max(served, key=lambda j: (j["updated"], j["job"]))["job"]
+    path = "/v1/jobs/" + urllib.parse.quote(job, safe="")
+    doc["job"] = fetch(base, path)
+    doc["buckets"] = fetch(base, path + "/buckets", epoch=epoch)
+    doc["quality"] = fetch(base, path + "/quality", epoch=epoch)
+    doc["random"] = fetch(base, path + "/quality", epoch=epoch, interleave="random")
+    doc["cursor"] = fetch(base, path + "/cursor")
+    return doc
