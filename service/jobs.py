@@ -224,6 +224,14 @@ class Job:
         if not 0 <= rank < world_size:
             raise ConfigError("rank", f"{rank} is outside 0..{world_size - 1} (world_size={world_size})")
 
+    def is_stored_as(self, state: JobState) -> bool:
+        """True if ``state`` is this job as it was built: same world size, resize history and incarnation."""
+        return (self.world_size, self.plan, self.incarnation) == (
+            state.spec.world_size,
+            state.plan,
+            state.incarnation,
+        )
+
     @property
     def previous_fingerprint(self) -> str | None:
         """The schedule fingerprint of this job before its latest resize (None if never resized)."""
@@ -323,22 +331,21 @@ class JobRegistry:
     def _job_for(self, state: JobState) -> Job:
         with self._lock:
             job = self._jobs.get(state.job)
-            if job is None or (job.world_size, job.plan, job.incarnation) != (
-                state.spec.world_size,
-                state.plan,
-                state.incarnation,
-            ):
-                job = Job(
-                    state.job,
-                    self.dataset,
-                    self.config,
-                    state.spec.world_size,
-                    self.store,
-                    plan=state.plan,
-                    incarnation=state.incarnation,
-                )
+            if job is None or not job.is_stored_as(state):
+                job = self._new_job(state)
                 self._jobs[state.job] = job
             return job
+
+    def _new_job(self, state: JobState) -> Job:
+        return Job(
+            state.job,
+            self.dataset,
+            self.config,
+            state.spec.world_size,
+            self.store,
+            plan=state.plan,
+            incarnation=state.incarnation,
+        )
 
     def get(self, name: str) -> Job | None:
         with self._lock:
@@ -356,18 +363,6 @@ class JobRegistry:
         here = JobSpec(state.job, self.dataset.fingerprint, self.config.fingerprint(), state.spec.world_size)
         check_identity(state.spec, here)
         known = self.get(state.job)
-        if known is not None and (known.world_size, known.plan, known.incarnation) == (
-            state.spec.world_size,
-            state.plan,
-            state.incarnation,
-        ):
+        if known is not None and known.is_stored_as(state):
             return known
-        return Job(
-            state.job,
-            self.dataset,
-            self.config,
-            state.spec.world_size,
-            self.store,
-            plan=state.plan,
-            incarnation=state.incarnation,
-        )
+        return self._new_job(state)
