@@ -234,8 +234,18 @@ def _frame_len(batch: Any) -> int:
     return sum(int(a.nbytes) for a in (batch.input_ids, batch.loss_mask, batch.lengths, batch.sample_ids))
 
 
-def _ladle_epoch(address: str, job: str, rank: int, world_size: int, start_at: float) -> dict[str, Any]:
-    """One epoch of one rank through BatchClient (numpy): counts, bytes and times."""
+def _ladle_epoch(
+    address: str,
+    job: str,
+    rank: int,
+    world_size: int,
+    start_at: float,
+    client_kwargs: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """One epoch of one rank through BatchClient (numpy): counts, bytes and times.
+
+    ``client_kwargs`` go to ``BatchClient`` too (a token, TLS certificates).
+    """
     from ladle.client import BatchClient
 
     sizes: list[int] = []
@@ -243,7 +253,9 @@ def _ladle_epoch(address: str, job: str, rank: int, world_size: int, start_at: f
     payload = real = padded = 0
     _sleep_until(start_at)
     began, cpu = time.monotonic(), time.process_time()
-    with BatchClient(rank, world_size, address, job, prefetch=PREFETCH, timeout=WAIT_S) as client:
+    with BatchClient(
+        rank, world_size, address, job, prefetch=PREFETCH, timeout=WAIT_S, **(client_kwargs or {})
+    ) as client:
         for batch in client:
             now = time.monotonic()
             if sizes:  # the rates count the messages after the first

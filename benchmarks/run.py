@@ -1,8 +1,9 @@
 """Run every benchmark and print its figures beside their baselines.
 
 ``python -m benchmarks.run`` (quick: 1M lengths, serving a 0.4 GB dataset, 1.5 s per
-cursor-store case) or ``--full`` (10M lengths, the sizes the issues' targets name; serving 1 GB and
-a 4.1 GB dataset for the server's memory; the wire-layout comparison; three 5 s rounds per store case).
+cursor-store case, a 15 s connection soak) or ``--full`` (10M lengths, the sizes the issues' targets
+name; serving 1 GB and a 4.1 GB dataset for the server's memory; the wire-layout comparison; three 5 s
+rounds per store case; the soak with 200 idle connections and 50 connects a second for a minute).
 Results are JSON on stdout and a short table on stderr.
 """
 
@@ -13,11 +14,13 @@ import sys
 
 from benchmarks import (
     bench_assemble,
+    bench_auth,
     bench_dataset,
     bench_http,
     bench_roundtrips,
     bench_schedule,
     bench_serving,
+    bench_soak,
     bench_store,
     bench_wire,
 )
@@ -33,6 +36,8 @@ def main(argv: list[str]) -> int:
         "store": bench_store.main(full),
         "roundtrips": bench_roundtrips.main(full),
         "http": bench_http.main(full),
+        "auth": bench_auth.main(full),
+        "soak": bench_soak.main(full),
     }
     if full:  # the transport comparison behind the frame layout (about 7 minutes)
         results["wire"] = bench_wire.main([])
@@ -67,6 +72,10 @@ def main(argv: list[str]) -> int:
     for line in bench_roundtrips.summary(results["roundtrips"]):
         print(line, file=sys.stderr)
     for line in bench_http.summary(results["http"]):
+        print(line, file=sys.stderr)
+    for line in bench_auth.summary(results["auth"]):
+        print(line, file=sys.stderr)
+    for line in bench_soak.summary(results["soak"]):
         print(line, file=sys.stderr)
     return 0
 

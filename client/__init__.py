@@ -6,10 +6,17 @@ only when asked for tensors. Never imports ``ladle.service``.
 
 from .batch import Batch
 from .client import STATE_VERSION, BatchClient
-from .errors import BatchClientError, FencedError, ServerUnavailableError, StateDictError
+from .errors import (
+    AuthenticationError,
+    BatchClientError,
+    FencedError,
+    ServerUnavailableError,
+    StateDictError,
+)
 
 __all__ = [
     "STATE_VERSION",
+    "AuthenticationError",
     "Batch",
     "BatchClient",
     "BatchClientError",

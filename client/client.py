@@ -31,7 +31,13 @@ from ladle.proto import codec, rpc
 from ladle.proto import ladle_pb2 as pb
 
 from .batch import Batch
-from .errors import BatchClientError, FencedError, ServerUnavailableError, StateDictError
+from .errors import (
+    AuthenticationError,
+    BatchClientError,
+    FencedError,
+    ServerUnavailableError,
+    StateDictError,
+)
 
 __all__ = ["STATE_VERSION", "BatchClient"]
 
@@ -39,6 +45,8 @@ log = logging.getLogger("ladle.client")
 
 STATE_VERSION = 1
 _STATE_KEYS = ("version", "job", "rank", "world_size", "epoch", "step", "schedule_fingerprint")
+# The largest epoch or step a position may hold (the cursor store's limit, exact in a double).
+_MAX_INDEX = 2**53 - 1
 _RECEIVE_LIMIT = 256 << 20  # far above any batch (a 49152-token batch frame is ~250 KiB)
 _BACKOFF_FIRST, _BACKOFF_MAX = 0.05, 2.0
 # An acknowledgement reaches the server at most this long after the trainer
@@ -46,6 +54,21 @@ _BACKOFF_FIRST, _BACKOFF_MAX = 0.05, 2.0
 ACK_DELAY = 0.005
 _END = object()
 _TICK: Any = object()  # wakes the request thread so it polls for a grouped acknowledgement
+
+
+def _is_int(value: Any) -> bool:
+    """An integer (Python or numpy), not a bool."""
+    return not isinstance(value, bool) and isinstance(value, int | np.integer)
+
+
+def _is_fingerprint(value: Any) -> bool:
+    """A string a frame and an Open can carry (encodable, at most MAX_FINGERPRINT_BYTES)."""
+    if not isinstance(value, str):
+        return False
+    try:
+        return len(value.encode()) <= codec.MAX_FINGERPRINT_BYTES
+    except UnicodeEncodeError:  # a lone surrogate
+        return False
 
 
 def _from_env(value: Any, name: str, default: Any, kind: type) -> Any:
@@ -183,6 +206,15 @@ class BatchClient:
     gives tensors on it (through pinned memory with non-blocking copies for
     CUDA). ``timeout`` bounds how long the client waits for a server (to
     connect, or for the next batch) before it raises ``ServerUnavailableError``.
+
+    ``token`` (default ``LADLE_TOKEN``, else the first line of the file
+    ``LADLE_TOKEN_FILE`` names) is sent with every call to a server
+    that wants one; a refused token raises ``AuthenticationError`` at once.
+    TLS is on when ``root_certificates`` (PEM bytes, or a file; default
+    ``LADLE_TLS_CA``) or a client certificate is given, or ``tls=True``
+    (the system's roots); ``client_certificate`` and ``client_key`` (PEM
+    bytes or files; default ``LADLE_TLS_CERT``, ``LADLE_TLS_KEY``) answer a
+    server that asks for mutual TLS.
     """
 
     def __init__(
@@ -198,6 +230,11 @@ class BatchClient:
         pin_memory: bool | None = None,
         client_id: str | None = None,
         elastic: bool = False,
+        token: str | None = None,
+        tls: bool | None = None,
+        root_certificates: bytes | str | os.PathLike[str] | None = None,
+        client_certificate: bytes | str | os.PathLike[str] | None = None,
+        client_key: bytes | str | os.PathLike[str] | None = None,
     ) -> None:
         self.rank = int(_from_env(rank, "RANK", 0, int))
         self.world_size = int(_from_env(world_size, "WORLD_SIZE", 1, int))
@@ -222,6 +259,10 @@ class BatchClient:
         if not self.servers:
             raise ValueError(f"server must name at least one host:port, got {self.server!r}")
         self._server_index = self.rank % len(self.servers)
+        token = str(_from_env(token, "LADLE_TOKEN", "", str)).strip() or _token_file()
+        # the token travels only in the call metadata; never in a message, a log line or repr()
+        self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
+        self._credentials = _channel_credentials(tls, root_certificates, client_certificate, client_key)
         self._device = device
         self._pin = pin_memory
         self._channel: Any = None
@@ -263,12 +304,17 @@ class BatchClient:
         missing = [k for k in _STATE_KEYS if k not in state]
         if missing:
             raise StateDictError(f"state lacks {missing}; it was not made by BatchClient.state_dict()")
-        if state["version"] != STATE_VERSION:
-            raise StateDictError(f"state version {state['version']!r}; this client reads {STATE_VERSION}")
+        version = state["version"]
+        if not _is_int(version) or version != STATE_VERSION:
+            raise StateDictError(f"state version {version!r}; this client reads {STATE_VERSION}")
         for key in ("rank", "world_size", "epoch", "step"):
             value = state[key]
-            if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 0:
-                raise StateDictError(f"state[{key!r}] must be a non-negative integer, got {value!r}")
+            if not _is_int(value) or not 0 <= value <= _MAX_INDEX:
+                raise StateDictError(
+                    f"state[{key!r}] must be a non-negative integer <= {_MAX_INDEX}, got {value!r}"
+                )
+        if not isinstance(state["job"], str):
+            raise StateDictError(f"state['job'] must be a string, got {state['job']!r}")
         resized = self.elastic and state["world_size"] != self.world_size
         for key, mine in (("job", self.job), ("rank", self.rank), ("world_size", self.world_size)):
             if key != "job" and resized:
@@ -279,8 +325,11 @@ class BatchClient:
                     f"state is for {key}={state[key]!r}, this client has {key}={mine!r}{hint}"
                 )
         fingerprint = state["schedule_fingerprint"]
-        if fingerprint is not None and not isinstance(fingerprint, str):
-            raise StateDictError(f"state['schedule_fingerprint'] must be a string, got {fingerprint!r}")
+        if fingerprint is not None and not _is_fingerprint(fingerprint):
+            raise StateDictError(
+                f"state['schedule_fingerprint'] must be a string of at most {codec.MAX_FINGERPRINT_BYTES} "
+                f"UTF-8 bytes, got {fingerprint!r:.100}"
+            )
         self._drop_stream()
         self._next = (int(state["epoch"]), int(state["step"]))
         self._held = None
@@ -399,6 +448,8 @@ class BatchClient:
         name = code.name if code is not None else "UNKNOWN"
         if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED) and not self._closed:
             return ServerUnavailableError(f"{self._address}: {message}", name)
+        if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+            return AuthenticationError(f"{self._address}: {message}", name)
         if details is not None and details.reason == "fenced":
             return FencedError(message, name)
         return BatchClientError(f"{self._address}: {message}", name)
@@ -419,7 +470,10 @@ class BatchClient:
         while True:
             left = deadline - time.monotonic()
             wait = left if tries <= 1 else min(left, max(1.0, left / tries))
-            self._channel = grpc.insecure_channel(self._address, options=options)
+            if self._credentials is not None:
+                self._channel = grpc.secure_channel(self._address, self._credentials, options=options)
+            else:
+                self._channel = grpc.insecure_channel(self._address, options=options)
             try:
                 grpc.channel_ready_future(self._channel).result(timeout=max(0.01, wait))
                 break
@@ -427,13 +481,19 @@ class BatchClient:
                 self._channel.close()
                 self._channel = None
             if time.monotonic() >= deadline or tries <= 1:
+                hint = (
+                    " (TLS: check the CA, the server's name and TLS on both sides)"
+                    if self._credentials
+                    else ""
+                )
                 raise ServerUnavailableError(
-                    f"no batch server answered at {self.server} within {self.timeout:.0f}s", "UNAVAILABLE"
+                    f"no batch server answered at {self.server} within {self.timeout:.0f}s{hint}",
+                    "UNAVAILABLE",
                 ) from None
             log.warning("rank %d: no answer from %s; trying the next replica", self.rank, self._address)
             self._server_index = (self._server_index + 1) % len(self.servers)
             tries = max(1, tries - 1)
-        self._stub = rpc.BatchServiceClient(self._channel)
+        self._stub = rpc.BatchServiceClient(self._channel, self._metadata)
         return self._stub
 
     def _ensure_stream(self, deadline: float) -> _Stream:
@@ -531,6 +591,56 @@ class BatchClient:
                 self._stream.close()
         except Exception:
             pass
+
+
+def _token_file() -> str:
+    """The first token in the file ``LADLE_TOKEN_FILE`` names (a mounted secret), or ""."""
+    path = os.environ.get("LADLE_TOKEN_FILE")
+    if not path:
+        return ""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return next((line.strip() for line in f if line.strip()), "")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"LADLE_TOKEN_FILE={path!r} cannot be read: {exc}") from None
+
+
+def _pem(value: bytes | str | os.PathLike[str] | None, env: str, what: str) -> bytes | None:
+    """PEM bytes from ``value`` (bytes, PEM text, or a file name) or from the file named by ``env``."""
+    if value is None:
+        value = os.environ.get(env) or None
+        if value is None:
+            return None
+    if isinstance(value, bytes):
+        return value
+    if isinstance(value, str) and value.lstrip().startswith("-----BEGIN"):
+        return value.encode()
+    try:
+        with open(value, "rb") as f:
+            return f.read()
+    except OSError as exc:
+        raise ValueError(f"{what}: cannot read {os.fspath(value)!r}: {exc.strerror or exc}") from None
+
+
+def _channel_credentials(
+    tls: bool | None,
+    root_certificates: bytes | str | os.PathLike[str] | None,
+    client_certificate: bytes | str | os.PathLike[str] | None,
+    client_key: bytes | str | os.PathLike[str] | None,
+) -> Any:
+    """``grpc.ssl_channel_credentials`` when TLS is asked for (explicitly or by certificates), else None."""
+    roots = _pem(root_certificates, "LADLE_TLS_CA", "root_certificates")
+    cert = _pem(client_certificate, "LADLE_TLS_CERT", "client_certificate")
+    key = _pem(client_key, "LADLE_TLS_KEY", "client_key")
+    if (cert is None) != (key is None):
+        raise ValueError("client_certificate and client_key go together (mutual TLS)")
+    if tls is False:
+        if roots is not None or cert is not None:
+            raise ValueError("tls=False, but TLS certificates were given")
+        return None
+    if tls is None and roots is None and cert is None:
+        return None
+    return grpc.ssl_channel_credentials(root_certificates=roots, private_key=key, certificate_chain=cert)
 
 
 def _to_torch(arrays: dict[str, Any], device: Any, pin: bool | None) -> dict[str, Any]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 __all__ = [
+    "AuthenticationError",
     "BatchClientError",
     "FencedError",
     "ServerUnavailableError",
@@ -28,3 +29,7 @@ class FencedError(BatchClientError):
 
 class ServerUnavailableError(BatchClientError, ConnectionError):
     """No server answered within the client's timeout (after retries with backoff)."""
+
+
+class AuthenticationError(BatchClientError, PermissionError):
+    """The server refused the client's token (none sent, or not one it accepts); retrying cannot help."""

@@ -10,7 +10,7 @@ imported, so the client can use this module.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, Final
 
 import grpc
@@ -64,7 +64,9 @@ def batch_service_handler(stream: StreamHandler, describe: DescribeHandler) -> A
 class BatchServiceClient:
     """Calls of ``ladle.v1.BatchService`` on a channel; ``stream`` yields raw frames (``bytes``)."""
 
-    def __init__(self, channel: Any) -> None:
+    def __init__(self, channel: Any, metadata: Sequence[tuple[str, str]] = ()) -> None:
+        # sent with every call: the server's token (``authorization: Bearer ...``) when it has one
+        self._metadata = tuple(metadata) or None
         self._stream = channel.stream_stream(
             STREAM_METHOD,
             request_serializer=pb.StreamRequest.SerializeToString,
@@ -78,10 +80,12 @@ class BatchServiceClient:
 
     def stream(self, requests: Iterator[pb.StreamRequest], timeout: float | None = None) -> Any:
         """Open a Stream: the call is also an iterator of frames (decode with ``codec.decode_frame``)."""
-        return self._stream(requests, timeout=timeout)
+        return self._stream(requests, timeout=timeout, metadata=self._metadata)
 
     def describe(self, job: str, timeout: float | None = None) -> pb.JobInfo:
-        info: pb.JobInfo = self._describe(pb.DescribeRequest(job=job), timeout=timeout)
+        info: pb.JobInfo = self._describe(
+            pb.DescribeRequest(job=job), timeout=timeout, metadata=self._metadata
+        )
         return info
 
 

@@ -13,6 +13,7 @@ batches ahead of its consumer, in order.
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections import deque
 from collections.abc import Iterable, Iterator
@@ -25,9 +26,11 @@ import numpy.typing as npt
 import pyarrow as pa
 
 from .dataset import LOSS_MASK, TOKENS, TokenDataset
-from .errors import DatasetError
+from .errors import DatasetChangedError, DatasetError
 
 __all__ = ["Assembler", "BatchBuffers", "Prefetcher"]
+
+log = logging.getLogger("ladle.server")
 
 I8 = npt.NDArray[np.int8]
 I32 = npt.NDArray[np.int32]
@@ -272,6 +275,7 @@ class Assembler:
         self._pad_rows: dict[int, memoryview] = {}
         self._pad_mask = _byte_view(np.zeros(_MIN_TOKEN_CAPACITY, dtype=np.int8))
         self._free = _FreeList(max_free)
+        self._reported: set[str] = set()  # dataset changes already logged
 
     @property
     def free_buffers(self) -> int:
@@ -294,11 +298,20 @@ class Assembler:
         arrays come from a released batch when one fits, else are allocated.
 
         Raises ``ValueError`` for rows outside ``[0, num_rows)``, a
-        ``padded_len`` below 1, a ``pad_id`` outside int32 or a released ``out``.
+        ``padded_len`` below 1, a ``pad_id`` outside int32 or a released ``out``,
+        and ``DatasetChangedError`` (logged once) when a data file changed on
+        disk since the dataset was opened: no token page is read then.
         """
         row_ids = self._check_rows(rows)
         width = _check_int("padded_len", padded_len, 1, None)
         pad = _check_int("pad_id", pad_id, _INT32_MIN, _INT32_MAX)
+        try:
+            self.dataset.check_files()
+        except DatasetChangedError as exc:
+            if str(exc) not in self._reported:
+                self._reported.add(str(exc))
+                log.error("%s", exc)
+            raise
         count = len(row_ids)
         tokens = count * width
         if out is None:

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from typing import Any, get_args
 
 from .errors import LadleError
+from .limits import Limits
 from .report import BUCKET_HEADER, bucket_cells
 from .schedule import ScheduleConfig, build_schedule
 from .schedule.stats import (
@@ -94,7 +95,6 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         help="Redis forgets a job nobody touched for this long; 0 keeps jobs forever (default: 7 days)",
     )
-    serve.add_argument("--max-streams", type=int, default=64, help="open trainer streams at most")
     serve.add_argument(
         "--ack-flush-ms",
         type=float,
@@ -105,6 +105,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--ready-file", help="write host:port here once serving (for scripts and tests)")
     serve.add_argument("--http-ready-file", help="write the HTTP host:port here (before --ready-file)")
     serve.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    _add_security_options(serve)
+    _add_limit_options(serve)
     _add_config_options(serve)
 
     demo = sub.add_parser("demo", help="run the whole system on this machine: server, trainers, checks")
@@ -127,6 +129,10 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("--job", help="the job to show (default: the one updated last)")
     inspect.add_argument("--epoch", type=int, help="default: the epoch of the job's slowest rank")
     inspect.add_argument("--json", action="store_true", help="machine-readable output")
+    inspect.add_argument(
+        "--token-file", metavar="FILE", help="the server's token (default: $LADLE_TOKEN_FILE, $LADLE_TOKEN)"
+    )
+    inspect.add_argument("--tls-ca", metavar="PEM", help="verify an https:// server against this CA")
 
     make = sub.add_parser(
         "make-dataset", help="write a tokenized dataset: synthetic (production length mix) or real text"
@@ -173,9 +179,111 @@ def main(argv: Sequence[str] | None = None) -> int:
     raise AssertionError(f"unhandled command {args.command}")
 
 
+def _add_security_options(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("security (docs/security.md)")
+    group.add_argument(
+        "--token-file",
+        metavar="FILE",
+        help="accept only calls with a token from this file, one a line "
+        "(default: $LADLE_TOKEN_FILE, else the token in $LADLE_TOKEN)",
+    )
+    group.add_argument("--tls-cert", metavar="PEM", help="serve gRPC and HTTP over TLS with this certificate")
+    group.add_argument("--tls-key", metavar="PEM", help="the certificate's private key")
+    group.add_argument(
+        "--tls-client-ca", metavar="PEM", help="mutual TLS: clients need a certificate from this CA"
+    )
+    group.add_argument(
+        "--insecure",
+        action="store_true",
+        help="allow a non-loopback --host without a token (anyone who reaches the port reads every batch)",
+    )
+
+
+def _add_limit_options(parser: argparse.ArgumentParser) -> None:
+    d = Limits()
+    group = parser.add_argument_group("limits (docs/serving.md#limits)")
+    group.add_argument(
+        "--max-sessions",
+        "--max-streams",
+        type=int,
+        default=d.max_sessions,
+        metavar="N",
+        help=f"trainer streams open at once; one more is refused with RESOURCE_EXHAUSTED "
+        f"(default: {d.max_sessions})",
+    )
+    group.add_argument(
+        "--max-sessions-per-job",
+        type=int,
+        metavar="N",
+        help="streams of one job at once, so one job cannot take the whole server "
+        "(default: half of --max-sessions)",
+    )
+    group.add_argument(
+        "--max-prefetch",
+        type=int,
+        default=d.max_prefetch,
+        metavar="N",
+        help=f"largest prefetch window a client may ask for; more is INVALID_ARGUMENT "
+        f"(default: {d.max_prefetch})",
+    )
+    group.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=d.max_request_bytes,
+        metavar="BYTES",
+        help=f"largest message a client may send; requests are tiny (default: {d.max_request_bytes})",
+    )
+    group.add_argument(
+        "--max-connections",
+        type=int,
+        metavar="N",
+        help="gRPC connections at once; more are closed as they arrive "
+        "(default: 4096, less when the file-descriptor limit is lower)",
+    )
+    group.add_argument(
+        "--keepalive",
+        type=float,
+        default=d.keepalive_s,
+        metavar="SECONDS",
+        help=f"ping every connection this often and close it when the answer is "
+        f"{d.keepalive_timeout_s:.0f}s late: half-open connections go (default: {d.keepalive_s:.0f})",
+    )
+    group.add_argument(
+        "--idle-timeout",
+        type=float,
+        default=d.idle_timeout_s,
+        metavar="SECONDS",
+        help=f"close a connection with no call for this long; clients reconnect on their next call "
+        f"(0: never; default: {d.idle_timeout_s:.0f})",
+    )
+    group.add_argument(
+        "--handshake-timeout",
+        type=float,
+        default=d.handshake_timeout_s,
+        metavar="SECONDS",
+        help=f"close a connection that has not finished its HTTP/2 (or TLS) handshake by then "
+        f"(default: {d.handshake_timeout_s:.0f})",
+    )
+
+
+def limits_from_args(args: argparse.Namespace) -> Limits:
+    """The server's ``Limits`` from the ``serve`` options (a ``ConfigError`` names a bad one)."""
+    return Limits(
+        max_sessions=args.max_sessions,
+        max_sessions_per_job=args.max_sessions_per_job,
+        max_prefetch=args.max_prefetch,
+        max_request_bytes=args.max_request_bytes,
+        max_connections=args.max_connections,
+        keepalive_s=args.keepalive,
+        idle_timeout_s=args.idle_timeout,
+        handshake_timeout_s=args.handshake_timeout,
+    )
+
+
 def _serve(args: argparse.Namespace) -> int:
     import logging
 
+    from .security import TlsFiles, load_tokens
     from .server import BatchServer, serve_forever
 
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -187,18 +295,29 @@ def _serve(args: argparse.Namespace) -> int:
         state=args.state,
         redis_url=_redis_url(args),
         job_ttl_s=args.job_ttl,
-        max_streams=args.max_streams,
+        limits=limits_from_args(args),
         ack_flush_s=args.ack_flush_ms / 1000,
         grace=args.grace,
         http_port=None if args.no_http else args.http_port,
+        tokens=load_tokens(args.token_file),
+        tls=TlsFiles.from_options(args.tls_cert, args.tls_key, args.tls_client_ca),
+        insecure=args.insecure,
     )
     return serve_forever(server, ready_file=args.ready_file, http_ready_file=args.http_ready_file)
 
 
 def _inspect(args: argparse.Namespace) -> int:
     from .inspect_client import DEFAULT_SERVER, fetch_report
+    from .security import load_tokens
 
-    doc = fetch_report(args.server or DEFAULT_SERVER, args.job, args.epoch)
+    tokens = load_tokens(args.token_file)
+    doc = fetch_report(
+        args.server or DEFAULT_SERVER,
+        args.job,
+        args.epoch,
+        token=tokens[0] if tokens else None,
+        cafile=args.tls_ca,
+    )
     if args.json:
         print(json.dumps(doc, indent=2))
         return 0

@@ -30,6 +30,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from .errors import (
+    DatasetChangedError,
     DatasetError,
     DatasetNotFoundError,
     EmptyDatasetError,
@@ -44,6 +45,7 @@ __all__ = [
     "REQUIRED_COLUMNS",
     "SEQ_LEN",
     "TOKENS",
+    "DataFile",
     "TokenDataset",
     "open_dataset",
 ]
@@ -66,6 +68,37 @@ _FINGERPRINT_TAG = b"ladle-dataset-v1"
 _FIRST_ROWS = 5
 
 
+@dataclass(frozen=True)
+class DataFile:
+    """One memory-mapped Arrow file of a dataset, as it was when the dataset was opened."""
+
+    path: str
+    size: int
+    mtime_ns: int
+    inode: int
+
+    @classmethod
+    def of(cls, path: str) -> DataFile:
+        st = os.stat(path)
+        return cls(path, st.st_size, st.st_mtime_ns, st.st_ino)
+
+    def change(self) -> str | None:
+        """How the file on disk differs from when it was opened (one ``stat``), or None."""
+        try:
+            st = os.stat(self.path)
+        except OSError as exc:
+            return f"it can no longer be found or read ({exc.strerror or exc})"
+        if st.st_ino != self.inode:
+            return "it was replaced by another file"
+        if st.st_size < self.size:
+            return f"it was truncated from {self.size} to {st.st_size} bytes"
+        if st.st_size != self.size:
+            return f"its size changed from {self.size} to {st.st_size} bytes"
+        if st.st_mtime_ns != self.mtime_ns:
+            return "it was rewritten in place (its modification time changed)"
+        return None
+
+
 @dataclass(frozen=True, eq=False)
 class TokenDataset:
     """A validated, memory-mapped token dataset.
@@ -76,7 +109,8 @@ class TokenDataset:
     neither list column holds a null row or a null token. ``fingerprint`` (16
     hex characters) is the same for the same data in every process and on every
     machine, however the data was sharded; see ``open_dataset`` for what it
-    covers.
+    covers. ``files`` are the memory-mapped Arrow files as they were when
+    opened (empty for a table built in memory).
     """
 
     path: str
@@ -85,6 +119,21 @@ class TokenDataset:
     fingerprint: str
     has_seq_len: bool
     table: pa.Table = field(repr=False)
+    files: tuple[DataFile, ...] = field(default=(), repr=False)
+
+    def check_files(self) -> None:
+        """Raise ``DatasetChangedError`` if a data file was truncated, resized, rewritten or replaced.
+
+        Costs one ``stat`` per file. Call it before reading token pages: a read
+        past the end of a truncated mapping is a SIGBUS that kills the process,
+        and a file rewritten in place changes the bytes under the mapping. It
+        narrows the window rather than closing it: a truncation between this
+        check and the read still hits the mapping.
+        """
+        for data_file in self.files:
+            detail = data_file.change()
+            if detail is not None:
+                raise DatasetChangedError(self.path, data_file.path, detail)
 
     @property
     def num_tokens(self) -> int:
@@ -112,6 +161,10 @@ def open_dataset(path: str | os.PathLike[str]) -> TokenDataset:
     """
     where = os.path.abspath(os.fspath(path))
     ds = _load(where)
+    try:
+        files = tuple(DataFile.of(str(entry["filename"])) for entry in ds.cache_files)
+    except OSError as exc:
+        raise DatasetError(f"{where}: a data file cannot be read: {exc}") from exc
     table = ds.data.table
     _check_columns(where, table)
     num_rows = int(table.num_rows)
@@ -144,6 +197,7 @@ def open_dataset(path: str | os.PathLike[str]) -> TokenDataset:
         fingerprint=_fingerprint(table, lengths),
         has_seq_len=has_seq_len,
         table=table,
+        files=files,
     )
 
 

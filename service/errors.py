@@ -13,6 +13,7 @@ __all__ = [
     "BinaryFileError",
     "ConfigError",
     "CursorRegressionError",
+    "DatasetChangedError",
     "DatasetError",
     "DatasetNotFoundError",
     "EmptyDatasetError",
@@ -81,6 +82,28 @@ class DatasetError(LadleError):
 
 class DatasetNotFoundError(DatasetError):
     kind = "not_found"
+
+
+class DatasetChangedError(DatasetError):
+    """A memory-mapped file of a served dataset changed on disk; ``file`` names it, ``detail`` says how.
+
+    The server checks before it reads a batch (a read past the end of a
+    truncated mapping would kill the process with SIGBUS), refuses the batch
+    with this error and stays up.
+    """
+
+    def __init__(self, path: str, file: str, detail: str) -> None:
+        self.path = path
+        self.file = file
+        self.detail = detail
+        super().__init__(
+            f"dataset file {file} changed on disk while it was served: {detail}. The server sends no "
+            f"more batches of {path}; restart it once the dataset is complete again (a dataset "
+            "written anew has another fingerprint: start a new job for it)"
+        )
+
+    def __reduce__(self) -> tuple[type[DatasetChangedError], tuple[str, str, str]]:
+        return (type(self), (self.path, self.file, self.detail))
 
 
 class MissingColumnsError(DatasetError):

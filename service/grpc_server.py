@@ -26,6 +26,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
+from google.protobuf.message import DecodeError  # type: ignore[import-untyped]
 
 from ladle.proto import codec, rpc
 from ladle.proto import ladle_pb2 as pb
@@ -33,6 +34,7 @@ from ladle.proto import ladle_pb2 as pb
 from .assemble import Assembler
 from .errors import ConfigError, FencedError, JobNotFoundError, LadleError
 from .jobs import Job, JobRegistry
+from .limits import Limits
 from .metrics import ServerMetrics
 from .store.base import Position
 
@@ -41,12 +43,16 @@ __all__ = ["ACK_FLUSH_SECONDS", "BatchServicer", "StreamAbortedError", "status_o
 log = logging.getLogger("ladle.server")
 
 ACK_FLUSH_SECONDS = 0.05
+# Longest error message sent back: the status details and the trailer both carry it, and
+# a client refuses response headers and trailers over 16 KiB or so.
+_MAX_MESSAGE_CHARS = 2000
 
 _STATUS = {
     "invalid_argument": grpc.StatusCode.INVALID_ARGUMENT,
     "failed_precondition": grpc.StatusCode.FAILED_PRECONDITION,
     "not_found": grpc.StatusCode.NOT_FOUND,
     "unavailable": grpc.StatusCode.UNAVAILABLE,
+    "unauthenticated": grpc.StatusCode.UNAUTHENTICATED,
     "resource_exhausted": grpc.StatusCode.RESOURCE_EXHAUSTED,
     "internal": grpc.StatusCode.INTERNAL,
 }
@@ -75,9 +81,18 @@ async def _abort(context: Any, exc: BaseException) -> None:
     reason = getattr(exc, "reason", type(exc).__name__)
     field = getattr(exc, "field", "") or ""
     message = str(exc) if isinstance(exc, LadleError) else f"internal error: {type(exc).__name__}"
-    error = pb.Error(code=code.name, reason=str(reason), message=message, field=str(field))
+    if len(message) > _MAX_MESSAGE_CHARS:  # it may quote what the client sent (a 60 KB job name)
+        message = message[:_MAX_MESSAGE_CHARS] + "... (cut)"
+    error = pb.Error(code=code.name, reason=str(reason)[:200], message=message, field=str(field)[:200])
     context.set_trailing_metadata(rpc.error_trailer(error))
     await context.abort(code, message)
+
+
+def _malformed(exc: DecodeError) -> StreamAbortedError:
+    """A request whose bytes are not a ``ladle.v1.StreamRequest`` (grpc parses it before the servicer)."""
+    return StreamAbortedError(
+        "invalid_argument", "bad_request", f"a request is not a valid ladle.v1.StreamRequest: {exc}"
+    )
 
 
 class _Session:
@@ -198,7 +213,7 @@ class BatchServicer:
         registry: JobRegistry,
         assembler: Assembler,
         *,
-        max_prefetch: int = 64,
+        limits: Limits | None = None,
         ack_flush_s: float = ACK_FLUSH_SECONDS,
         metrics: ServerMetrics | None = None,
     ) -> None:
@@ -207,14 +222,17 @@ class BatchServicer:
         self.ack_flush_s = ack_flush_s
         self.registry = registry
         self.assembler = assembler
-        self.max_prefetch = max_prefetch
+        self.limits = limits if limits is not None else Limits()
+        self.max_prefetch = self.limits.max_prefetch
         self.max_frame_bytes = codec.max_frame_bytes(
             registry.config.token_budget, registry.config.max_batch_size
         )
         self._active: dict[tuple[str, int], _Session] = {}
+        # sessions admitted whose Open is still with the store (off the loop), by (job, rank)
+        self._opening: dict[tuple[str, int], int] = {}
         self._stopping = False
         self.metrics = metrics if metrics is not None else ServerMetrics()
-        self.metrics.watch_streams(self.stream_depths)
+        self.metrics.watch_streams(self.stream_depths, self.limits.max_sessions, self.limits.per_job)
 
     def handler(self) -> Any:
         return rpc.batch_service_handler(self.stream, self.describe)  # type: ignore[arg-type]
@@ -273,8 +291,16 @@ class BatchServicer:
                 raise StreamAbortedError(
                     "invalid_argument", "no_open", "the stream closed before its Open"
                 ) from None
-            # store calls may wait on a lock held by another process: keep them off the event loop
-            session = await asyncio.to_thread(self._open, first)
+            except DecodeError as exc:
+                raise _malformed(exc) from None
+            self._check_open(first)
+            # counted before the store hears of it: a refused Open must not fence anyone
+            admitted = self._admit(first.open.job, first.open.rank)
+            try:
+                # store calls may wait on a lock held by another process: keep them off the event loop
+                session = await asyncio.to_thread(self._open, first)
+            finally:
+                self._release(admitted)
         except LadleError as exc:
             await self._abort(context, exc)
             return
@@ -310,7 +336,43 @@ class BatchServicer:
         if session.failure is not None:
             await self._abort(context, session.failure)
 
-    def _open(self, first: pb.StreamRequest) -> _Session:
+    def _admit(self, job: str, rank: int) -> tuple[str, int]:
+        """Hold a session slot for ``rank`` of ``job`` (on the event loop), or refuse with RESOURCE_EXHAUSTED.
+
+        A stream that replaces one of the same job and rank takes its slot, so a
+        reconnecting trainer is never refused for the session it is replacing.
+        """
+        key = (job, rank)
+        held = (set(self._active) | set(self._opening)) - {key}
+        limits = self.limits
+        if len(held) >= limits.max_sessions:
+            self.metrics.refused("max_sessions")
+            raise StreamAbortedError(
+                "resource_exhausted",
+                "too_many_sessions",
+                f"this batch server already serves {len(held)} trainer sessions, its limit "
+                f"(ladle serve --max-sessions) is {limits.max_sessions}: add a replica or raise the limit",
+            )
+        in_job = sum(1 for held_job, _ in held if held_job == job)
+        if in_job >= limits.per_job:
+            self.metrics.refused("max_sessions_per_job")
+            raise StreamAbortedError(
+                "resource_exhausted",
+                "too_many_sessions_per_job",
+                f"job {job!r} already holds {in_job} sessions on this batch server, the limit per job "
+                f"(ladle serve --max-sessions-per-job) is {limits.per_job}",
+                "open.rank",
+            )
+        self._opening[key] = self._opening.get(key, 0) + 1
+        return key
+
+    def _release(self, key: tuple[str, int]) -> None:
+        left = self._opening.pop(key) - 1
+        if left:
+            self._opening[key] = left
+
+    def _check_open(self, first: pb.StreamRequest) -> None:
+        """Refuse a malformed Open before it costs a session slot or a store call."""
         if first.WhichOneof("kind") != "open":
             raise StreamAbortedError("invalid_argument", "no_open", "the first request must be Open", "open")
         o = first.open
@@ -324,19 +386,21 @@ class BatchServicer:
             raise ConfigError(
                 "rank", f"{o.rank} is outside 0..{o.world_size - 1} (world_size={o.world_size})"
             )
-        if o.prefetch < 1:
+        if not 1 <= o.prefetch <= self.max_prefetch:
+            self.metrics.refused("max_prefetch")
             raise StreamAbortedError(
-                "invalid_argument", "bad_prefetch", "Open.prefetch must be >= 1", "open.prefetch"
-            )
-        if o.prefetch > self.max_prefetch:
-            raise StreamAbortedError(
-                "resource_exhausted",
-                "prefetch_too_large",
-                f"Open.prefetch={o.prefetch} exceeds this server's limit of {self.max_prefetch}",
+                "invalid_argument",
+                "bad_prefetch",
+                f"Open.prefetch must be in 1..{self.max_prefetch} on this server "
+                f"(ladle serve --max-prefetch), got {o.prefetch}",
                 "open.prefetch",
             )
         if self._stopping:
             raise StreamAbortedError("unavailable", "shutting_down", "the batch server is shutting down")
+
+    def _open(self, first: pb.StreamRequest) -> _Session:
+        """Join the job in the store and position the rank (``first`` passed ``_check_open``)."""
+        o = first.open
         given = Position(o.start.epoch, o.start.step) if o.HasField("start") else None
         checkpoint = None
         if given is not None and o.HasField("schedule_fingerprint"):
@@ -423,8 +487,10 @@ class BatchServicer:
                     raise StreamAbortedError(
                         "invalid_argument", "bad_request", f"unexpected {kind} after Open", kind or ""
                     )
-        except StreamAbortedError as exc:
+        except LadleError as exc:  # a bad Ack or Credit (a position out of range, too far ahead)
             session.fail(exc)
+        except DecodeError as exc:
+            session.fail(_malformed(exc))
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # the call ended (cancelled, deadline) while reading

@@ -8,6 +8,7 @@ request, raises ``InspectError`` with the server's own message.
 from __future__ import annotations
 
 import json
+import ssl
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -34,12 +35,25 @@ def server_url(server: str) -> str:
     return server.rstrip("/")
 
 
-def fetch(base: str, path: str, timeout: float = 30.0, **params: Any) -> Any:
-    """GET ``base + path`` with the given query parameters (None ones left out); the decoded JSON."""
+def fetch(
+    base: str,
+    path: str,
+    timeout: float = 30.0,
+    *,
+    token: str | None = None,
+    cafile: str | None = None,
+    **params: Any,
+) -> Any:
+    """GET ``base + path`` with the given query parameters (None ones left out); the decoded JSON.
+
+    ``token`` goes in an ``Authorization: Bearer`` header; ``cafile`` verifies an https server.
+    """
     query = urllib.parse.urlencode({k: v for k, v in params.items() if v is not None})
     url = f"{base}{path}" + (f"?{query}" if query else "")
+    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"} if token else {})
+    context = ssl.create_default_context(cafile=cafile) if cafile and url.startswith("https:") else None
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as response:
+        with urllib.request.urlopen(request, timeout=timeout, context=context) as response:
             return json.loads(response.read())
     except urllib.error.HTTPError as exc:
         try:
@@ -52,13 +66,24 @@ def fetch(base: str, path: str, timeout: float = 30.0, **params: Any) -> Any:
         raise InspectError(f"cannot reach {base} ({reason}); is `ladle serve` running there?") from None
 
 
-def fetch_report(server: str, job: str | None = None, epoch: int | None = None) -> dict[str, Any]:
+def fetch_report(
+    server: str,
+    job: str | None = None,
+    epoch: int | None = None,
+    *,
+    token: str | None = None,
+    cafile: str | None = None,
+) -> dict[str, Any]:
     """Everything ``ladle inspect`` prints about one job (the served job updated last if none is named).
 
     ``job`` is None in the result when the server has no job yet.
     """
     base = server_url(server)
-    listing = fetch(base, "/v1/jobs")
+
+    def fetch(path: str, **params: Any) -> Any:
+        return _fetch(base, path, token=token, cafile=cafile, **params)
+
+    listing = fetch("/v1/jobs")
     doc: dict[str, Any] = {
         "server": base,
         "dataset": listing["dataset"],
@@ -71,9 +96,12 @@ def fetch_report(server: str, job: str | None = None, epoch: int | None = None) 
             return doc
         job = max(served, key=lambda j: (j["updated"], j["job"]))["job"]
     path = "/v1/jobs/" + urllib.parse.quote(job, safe="")
-    doc["job"] = fetch(base, path)
-    doc["buckets"] = fetch(base, path + "/buckets", epoch=epoch)
-    doc["quality"] = fetch(base, path + "/quality", epoch=epoch)
-    doc["random"] = fetch(base, path + "/quality", epoch=epoch, interleave="random")
-    doc["cursor"] = fetch(base, path + "/cursor")
+    doc["job"] = fetch(path)
+    doc["buckets"] = fetch(path + "/buckets", epoch=epoch)
+    doc["quality"] = fetch(path + "/quality", epoch=epoch)
+    doc["random"] = fetch(path + "/quality", epoch=epoch, interleave="random")
+    doc["cursor"] = fetch(path + "/cursor")
     return doc
+
+
+_fetch = fetch

@@ -38,6 +38,8 @@ METRIC_NAMES: Final = (
     "ladle_stream_send_seconds",
     "ladle_stream_prefetch_depth",
     "ladle_streams_open",
+    "ladle_streams_limit",
+    "ladle_streams_refused_total",
     "ladle_store_seconds",
     "ladle_errors_total",
 )
@@ -129,6 +131,12 @@ class _Served(Collector):
             count += 1
         yield depth
         yield GaugeMetricFamily("ladle_streams_open", "Trainer streams open on this server", value=count)
+        limit = GaugeMetricFamily(
+            "ladle_streams_limit", "Trainer streams this server admits (scope: server, job)", labels=["scope"]
+        )
+        limit.add_metric(["server"], m.stream_limits[0])
+        limit.add_metric(["job"], m.stream_limits[1])
+        yield limit
 
 
 class ServerMetrics:
@@ -140,6 +148,7 @@ class ServerMetrics:
         self.assembly_seconds = LoopHistogram(_FAST)
         self.send_seconds = LoopHistogram(_FAST)
         self.depths: StreamDepths = lambda: ()
+        self.stream_limits = (0, 0)  # (per server, per job); 0: not reported yet
         self.store_seconds = Histogram(
             "ladle_store_seconds",
             "Cursor store operation latency",
@@ -151,6 +160,12 @@ class ServerMetrics:
             "ladle_errors",
             "Calls that ended in an error, by face (grpc, http) and status code",
             ["face", "code"],
+            registry=self.registry,
+        )
+        self.refusals = Counter(
+            "ladle_streams_refused",
+            "Stream opens refused by a limit (max_sessions, max_sessions_per_job, max_prefetch)",
+            ["limit"],
             registry=self.registry,
         )
         self.registry.register(_Served(self))
@@ -165,9 +180,13 @@ class ServerMetrics:
     def error(self, face: str, code: str) -> None:
         self.errors.labels(face, code).inc()
 
-    def watch_streams(self, depths: StreamDepths) -> None:
-        """Report the open streams ``depths()`` lists when scraped."""
+    def refused(self, limit: str) -> None:
+        self.refusals.labels(limit).inc()
+
+    def watch_streams(self, depths: StreamDepths, limit: int = 0, limit_per_job: int = 0) -> None:
+        """Report the open streams ``depths()`` lists when scraped, and the limits on them."""
         self.depths = depths
+        self.stream_limits = (limit, limit_per_job)
 
     def exposition(self) -> bytes:
         """Every metric in the Prometheus text format."""

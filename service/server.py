@@ -15,6 +15,7 @@ import logging
 import os
 import signal
 import threading
+from collections.abc import Sequence
 from pathlib import Path
 from types import FrameType, TracebackType
 from typing import Any
@@ -29,8 +30,10 @@ from .dataset import open_dataset
 from .errors import ConfigError
 from .grpc_server import ACK_FLUSH_SECONDS, BatchServicer
 from .jobs import JobRegistry
+from .limits import Limits
 from .metrics import ServerMetrics, TimedStore
 from .schedule import ScheduleConfig
+from .security import TlsFiles, TokenCheck, TokenInterceptor, check_exposure
 from .store import DEFAULT_JOB_TTL_S, CursorStore, open_store
 
 __all__ = ["DEFAULT_STATE", "BatchServer", "serve_forever"]
@@ -38,15 +41,6 @@ __all__ = ["DEFAULT_STATE", "BatchServer", "serve_forever"]
 log = logging.getLogger("ladle.server")
 
 DEFAULT_STATE = ".ladle/state.db"
-
-# Keepalive: find dead peers within about a minute, let clients ping every 20 s.
-_KEEPALIVE = [
-    ("grpc.keepalive_time_ms", 30_000),
-    ("grpc.keepalive_timeout_ms", 10_000),
-    ("grpc.keepalive_permit_without_calls", 1),
-    ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
-    ("grpc.http2.max_pings_without_data", 0),
-]
 
 
 class BatchServer:
@@ -62,17 +56,18 @@ class BatchServer:
         state: str | Path = DEFAULT_STATE,
         redis_url: str | None = None,
         job_ttl_s: float = DEFAULT_JOB_TTL_S,
-        max_streams: int = 64,
+        limits: Limits | None = None,
         ack_flush_s: float = ACK_FLUSH_SECONDS,
         grace: float = 5.0,
         http_port: int | None = None,
+        tokens: Sequence[str] = (),
+        tls: TlsFiles | None = None,
+        insecure: bool = False,
     ) -> None:
         if not 0 <= grpc_port <= 65535:
             raise ConfigError("grpc_port", f"must be in 0..65535, got {grpc_port}")
         if http_port is not None and not 0 <= http_port <= 65535:
             raise ConfigError("http_port", f"must be in 0..65535, got {http_port}")
-        if max_streams < 1:
-            raise ConfigError("max_streams", f"must be >= 1, got {max_streams}")
         self.dataset_path = str(dataset)
         self.config = config
         self.host = host
@@ -81,9 +76,14 @@ class BatchServer:
         # The cursor store: Redis when a URL is given (shared by every replica), else the file.
         self.redis_url = redis_url
         self.job_ttl_s = job_ttl_s
-        self.max_streams = max_streams
+        # sessions, prefetch, message sizes, connections, keepalive and idle reaping
+        self.limits = limits if limits is not None else Limits()
         self.ack_flush_s = ack_flush_s
         self.grace = grace
+        # who may connect: the accepted tokens (none: anyone who reaches the port) and TLS
+        self.token = TokenCheck(tokens) if tokens else None
+        self.tls = tls
+        self.insecure = insecure
         self.port = 0
         self.requested_http_port = http_port
         self.http_port = 0
@@ -107,6 +107,9 @@ class BatchServer:
         return self._http.url if self._http is not None else None
 
     def start(self) -> BatchServer:
+        check_exposure(
+            self.host, token=self.token is not None, tls=self.tls is not None, insecure=self.insecure
+        )
         dataset = open_dataset(self.dataset_path)
         self._store = TimedStore(
             open_store(redis_url=self.redis_url, state_path=self.state_path, job_ttl_s=self.job_ttl_s),
@@ -118,7 +121,11 @@ class BatchServer:
 
         build_schedule(dataset.lengths, self.config, epoch=0, world_size=1)
         self._servicer = BatchServicer(
-            registry, Assembler(dataset), ack_flush_s=self.ack_flush_s, metrics=self.metrics
+            registry,
+            Assembler(dataset),
+            limits=self.limits,
+            ack_flush_s=self.ack_flush_s,
+            metrics=self.metrics,
         )
         # The asyncio server runs on its own event loop thread.
         self._loop = asyncio.new_event_loop()
@@ -130,9 +137,9 @@ class BatchServer:
         if self.requested_http_port is not None:
             from .http import HttpServer, Inspector, create_app
 
-            app = create_app(Inspector(registry), self.metrics)
+            app = create_app(Inspector(registry), self.metrics, token=self.token)
             try:
-                self._http = HttpServer(app, self.host, self.requested_http_port).start()
+                self._http = HttpServer(app, self.host, self.requested_http_port, tls=self.tls).start()
             except BaseException:
                 self.stop(grace=0)
                 raise
@@ -144,12 +151,26 @@ class BatchServer:
 
     async def _start(self) -> None:
         assert self._servicer is not None
-        options = [*_KEEPALIVE, *rpc.message_options(self._servicer.max_frame_bytes)]
-        self._server = grpc.aio.server(options=options, maximum_concurrent_rpcs=self.max_streams)
+        options = self.limits.grpc_options(self._servicer.max_frame_bytes)
+        interceptors = []
+        if self.token is not None:
+            metrics = self.metrics
+            interceptors.append(
+                TokenInterceptor(self.token, lambda: metrics.error("grpc", "UNAUTHENTICATED"))
+            )
+        self._server = grpc.aio.server(
+            options=options,
+            maximum_concurrent_rpcs=self.limits.max_concurrent_rpcs,
+            interceptors=interceptors,
+        )
         self._server.add_generic_rpc_handlers((self._servicer.handler(),))
         self._health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
-        self.port = self._server.add_insecure_port(f"{self.host}:{self.requested_port}")
+        where = f"{self.host}:{self.requested_port}"
+        if self.tls is not None:
+            self.port = self._server.add_secure_port(where, self.tls.grpc_credentials())
+        else:
+            self.port = self._server.add_insecure_port(where)
         if self.port == 0:
             raise ConfigError("grpc_port", f"cannot listen on {self.host}:{self.requested_port}")
         await self._server.start()

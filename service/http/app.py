@@ -13,7 +13,7 @@ import logging
 from dataclasses import asdict
 from typing import Annotated, Any, Final, Literal
 
-from fastapi import FastAPI, Path, Query, Request
+from fastapi import Depends, FastAPI, Header, Path, Query, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -22,6 +22,7 @@ import ladle
 from ..errors import LadleError
 from ..jobs import Job
 from ..metrics import CONTENT_TYPE, ServerMetrics
+from ..security import TokenCheck
 from ..store.base import MAX_INDEX, MAX_JOB_NAME_LEN, JobState
 from . import page
 from .inspector import DEFAULT_PAGE_STEPS, MAX_PAGE_STEPS, Inspector, Interleave
@@ -45,6 +46,7 @@ HTTP_STATUS: Final = {
     "invalid_argument": 400,
     "not_found": 404,
     "failed_precondition": 409,
+    "unauthenticated": 401,
     "resource_exhausted": 429,
     "unavailable": 503,
     "internal": 500,
@@ -68,13 +70,17 @@ def _errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
     return {status: {"model": ErrorBody} for status in statuses}
 
 
-_JOB_ERRORS = _errors(400, 404, 409, 503)
+_JOB_ERRORS = _errors(400, 401, 404, 409, 503)
 
 
-def _error_response(exc: LadleError) -> JSONResponse:
+def _error_response(exc: LadleError, *, page: bool = False) -> JSONResponse:
     status = HTTP_STATUS.get(exc.kind, 500)
     body = ErrorBody(detail=str(exc), kind=exc.kind, field=getattr(exc, "field", None) or None)
-    return JSONResponse(body.model_dump(), status_code=status)
+    headers = None
+    if status == 401:
+        # a browser asks for the token as a password on the page; scripts send it as a bearer token
+        headers = {"WWW-Authenticate": 'Basic realm="ladle"' if page else 'Bearer realm="ladle"'}
+    return JSONResponse(body.model_dump(), status_code=status, headers=headers)
 
 
 class _CountErrors:
@@ -122,9 +128,22 @@ def _dataset(inspector: Inspector) -> dict[str, Any]:
     return {"path": ds.path, "rows": ds.num_rows, "fingerprint": ds.fingerprint}
 
 
-def create_app(inspector: Inspector, metrics: ServerMetrics | None = None) -> FastAPI:
-    """The app for one server: ``inspector`` reads its jobs, ``metrics`` is what /metrics exposes."""
+def create_app(
+    inspector: Inspector, metrics: ServerMetrics | None = None, token: TokenCheck | None = None
+) -> FastAPI:
+    """The app for one server: ``inspector`` reads its jobs, ``metrics`` is what /metrics exposes.
+
+    With ``token``, every endpoint but ``/healthz``, ``/readyz`` and the
+    OpenAPI document answers 401 unless the request carries an accepted token
+    (``Authorization: Bearer <token>``, or Basic with the token as password).
+    """
     metrics = metrics if metrics is not None else ServerMetrics()
+
+    def authorized(authorization: Annotated[str | None, Header(include_in_schema=False)] = None) -> None:
+        if token is not None:
+            token.check(authorization)
+
+    protected = [Depends(authorized)]
     app = FastAPI(
         title="ladle",
         version=ladle.__version__,
@@ -135,7 +154,7 @@ def create_app(inspector: Inspector, metrics: ServerMetrics | None = None) -> Fa
 
     @app.exception_handler(LadleError)
     async def _ladle_error(request: Request, exc: LadleError) -> JSONResponse:
-        return _error_response(exc)
+        return _error_response(exc, page=request.url.path == "/")
 
     @app.exception_handler(Exception)
     async def _crash(request: Request, exc: Exception) -> JSONResponse:
@@ -177,7 +196,7 @@ def create_app(inspector: Inspector, metrics: ServerMetrics | None = None) -> Fa
         )
         return JSONResponse(body.model_dump(), status_code=200 if body.ready else 503)
 
-    @app.get("/v1/jobs", tags=["jobs"], responses=_errors(503))
+    @app.get("/v1/jobs", tags=["jobs"], dependencies=protected, responses=_errors(401, 503))
     def list_jobs() -> JobList:
         """Every job in the cursor store, with its stored positions (`served`: its schedule is shown here)."""
         states = inspector.job_states()
@@ -189,7 +208,7 @@ def create_app(inspector: Inspector, metrics: ServerMetrics | None = None) -> Fa
             }
         )
 
-    @app.get("/v1/jobs/{job}", tags=["jobs"], responses=_JOB_ERRORS)
+    @app.get("/v1/jobs/{job}", tags=["jobs"], dependencies=protected, responses=_JOB_ERRORS)
     def get_job(job: JobName) -> JobDetail:
         """A job's config, fingerprints, world size, epoch and progress."""
         state = inspector.state(job)
@@ -211,7 +230,7 @@ def create_app(inspector: Inspector, metrics: ServerMetrics | None = None) -> Fa
             )
         return JobDetail.model_validate(doc)
 
-    @app.get("/v1/jobs/{job}/buckets", tags=["schedule"], responses=_JOB_ERRORS)
+    @app.get("/v1/jobs/{job}/buckets", tags=["schedule"], dependencies=protected, responses=_JOB_ERRORS)
     def get_buckets(job: JobName, epoch: Epoch = None, interleave: InterleaveQuery = None) -> BucketReport:
         """The per-bucket table of an epoch: the same rows as `ladle plan --json` for the job's world size."""
         variant, e = shown(job, epoch, interleave)
@@ -230,7 +249,7 @@ def create_app(inspector: Inspector, metrics: ServerMetrics | None = None) -> Fa
             }
         )
 
-    @app.get("/v1/jobs/{job}/schedule", tags=["schedule"], responses=_JOB_ERRORS)
+    @app.get("/v1/jobs/{job}/schedule", tags=["schedule"], dependencies=protected, responses=_JOB_ERRORS)
     def get_schedule(
         job: JobName,
         epoch: Epoch = None,
@@ -249,7 +268,7 @@ def create_app(inspector: Inspector, metrics: ServerMetrics | None = None) -> Fa
         doc = inspector.page(variant, e, start=start, limit=limit, rank=rank, samples=include == "samples")
         return SchedulePage.model_validate({"job": job, **doc})
 
-    @app.get("/v1/jobs/{job}/quality", tags=["schedule"], responses=_JOB_ERRORS)
+    @app.get("/v1/jobs/{job}/quality", tags=["schedule"], dependencies=protected, responses=_JOB_ERRORS)
     def get_quality(job: JobName, epoch: Epoch = None, interleave: InterleaveQuery = None) -> QualityReport:
         """An epoch's quality figures (runs and their bounds, share deviation, distinct buckets, padding)
         and the simulated loss (bucket loss levels plus noise)."""
@@ -265,7 +284,7 @@ def create_app(inspector: Inspector, metrics: ServerMetrics | None = None) -> Fa
             }
         )
 
-    @app.get("/v1/jobs/{job}/cursor", tags=["jobs"], responses=_JOB_ERRORS)
+    @app.get("/v1/jobs/{job}/cursor", tags=["jobs"], dependencies=protected, responses=_JOB_ERRORS)
     def get_cursor(job: JobName) -> CursorReport:
         """Each rank's epoch and step, progress, lag behind the leading rank, last seen and generation."""
         served, state = served_job(job)
@@ -274,14 +293,21 @@ def create_app(inspector: Inspector, metrics: ServerMetrics | None = None) -> Fa
     @app.get(
         "/metrics",
         tags=["health"],
+        dependencies=protected,
         response_class=Response,
-        responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}}},
+        responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}}, **_errors(401)},
     )
     def get_metrics() -> Response:
         """Prometheus metrics (text format)."""
         return Response(metrics.exposition(), media_type=CONTENT_TYPE)
 
-    @app.get("/", response_class=HTMLResponse, tags=["page"], responses=_errors(400, 404, 409, 503))
+    @app.get(
+        "/",
+        response_class=HTMLResponse,
+        tags=["page"],
+        responses=_errors(400, 401, 404, 409, 503),
+        dependencies=protected,
+    )
     def index(
         job: Annotated[str | None, Query(pattern=JOB_PATTERN)] = None,
         epoch: Epoch = None,

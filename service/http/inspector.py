@@ -294,8 +294,10 @@ class Inspector:
     # --- readiness ---
 
     def dataset_ok(self) -> bool:
-        """The dataset was opened and validated at start-up; its folder must still be there."""
-        return Path(self.dataset.path).exists()
+        """The dataset was opened and validated at start-up; its folder and files must be as they were."""
+        if not Path(self.dataset.path).exists():
+            return False
+        return all(data_file.change() is None for data_file in self.dataset.files)
 
     def store_error(self) -> str | None:
         """Why the cursor store cannot be used now, or None when it answers."""

@@ -5,6 +5,12 @@ schedule built for an inspection runs on this thread's loop or in FastAPI's
 thread pool, never between two batches of a stream. The socket is bound
 before uvicorn starts, so port 0 gives a known free port and a taken port
 fails ``start`` with a ``ConfigError`` rather than a log line.
+
+Limits: the app is read-only (GET only, no request body is ever read), the
+request line and headers may take 16 KiB (h11's default, made explicit), at
+most ``max_connections`` connections and requests are served at once (more
+get 503), and a connection that sends nothing for ``idle_timeout_s`` is
+closed, whether it just opened or its last response went out.
 """
 
 from __future__ import annotations
@@ -13,15 +19,36 @@ import logging
 import socket
 import threading
 import time
-from typing import Any
+from typing import Any, Final
 
 import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from ..errors import ConfigError
+from ..security import TlsFiles
 
-__all__ = ["HttpServer"]
+__all__ = ["HTTP_IDLE_TIMEOUT_S", "HTTP_MAX_CONNECTIONS", "HttpServer"]
 
 log = logging.getLogger("ladle.http")
+
+HTTP_MAX_CONNECTIONS: Final = 128  # people, a Prometheus scraper and `ladle inspect`: far fewer
+HTTP_IDLE_TIMEOUT_S: Final = 5
+_MAX_HEADER_BYTES: Final = 16 << 10
+
+
+class _H11(H11Protocol):
+    """uvicorn's h11 protocol, which also times out a connection that opens and says nothing.
+
+    uvicorn starts its keep-alive timer only after a response, so a client
+    that connects and never sends a request would hold its connection (and
+    one of the ``max_connections``) for ever.
+    """
+
+    def connection_made(self, transport: Any) -> None:
+        super().connection_made(transport)
+        self.timeout_keep_alive_task = self.loop.call_later(
+            self.timeout_keep_alive, self.timeout_keep_alive_handler
+        )
 
 
 def _bind(host: str, port: int) -> socket.socket:
@@ -45,10 +72,22 @@ def _bind(host: str, port: int) -> socket.socket:
 class HttpServer:
     """``HttpServer(app, host, port).start()`` serves ``app`` until ``stop()``; ``port`` is the bound one."""
 
-    def __init__(self, app: Any, host: str = "127.0.0.1", port: int = 8080) -> None:
+    def __init__(
+        self,
+        app: Any,
+        host: str = "127.0.0.1",
+        port: int = 8080,
+        *,
+        tls: TlsFiles | None = None,
+        max_connections: int = HTTP_MAX_CONNECTIONS,
+        idle_timeout_s: int = HTTP_IDLE_TIMEOUT_S,
+    ) -> None:
         if not 0 <= port <= 65535:
             raise ConfigError("http_port", f"must be in 0..65535, got {port}")
         self.app = app
+        self.max_connections = max_connections
+        self.idle_timeout_s = idle_timeout_s
+        self.tls = tls
         self.host = host
         self.requested_port = port
         self.port = 0
@@ -58,7 +97,7 @@ class HttpServer:
     @property
     def url(self) -> str:
         host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"http://{host}:{self.port}"
+        return f"{'https' if self.tls is not None else 'http'}://{host}:{self.port}"
 
     def start(self, timeout: float = 30.0) -> HttpServer:
         sock = _bind(self.host, self.requested_port)
@@ -69,9 +108,13 @@ class HttpServer:
             access_log=False,
             lifespan="off",
             loop="asyncio",
-            http="h11",
+            http=_H11,
             ws="none",
             timeout_graceful_shutdown=2,
+            limit_concurrency=self.max_connections,
+            timeout_keep_alive=self.idle_timeout_s,
+            h11_max_incomplete_event_size=_MAX_HEADER_BYTES,
+            **(self.tls.uvicorn_options() if self.tls is not None else {}),
         )
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(

@@ -20,7 +20,15 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from ..errors import ConfigError
 
-__all__ = ["ALGORITHM_VERSION", "PRODUCTION_BOUNDS", "ScheduleConfig"]
+__all__ = [
+    "ALGORITHM_VERSION",
+    "MAX_BATCH_SIZE",
+    "MAX_SEQ_LEN",
+    "MAX_SORT_CHUNK",
+    "MAX_TOKEN_BUDGET",
+    "PRODUCTION_BOUNDS",
+    "ScheduleConfig",
+]
 
 # Bump whenever any change alters the batches or their order for the same
 # inputs; the golden test pins the current value's output.
@@ -28,6 +36,16 @@ ALGORITHM_VERSION = 1
 
 # The bounds of the production run PRODUCT.md describes.
 PRODUCTION_BOUNDS: tuple[int, ...] = (0, 770, 1216, 1728, 2432, 3296, 8193)
+
+# Upper bounds of the sizes, far above any real run: the schedule keeps int64
+# arrays with one entry per length up to max_seq_len (and the last bucket edge)
+# and packs row, length and chunk into 62-bit keys, and a batch frame must fit
+# gRPC's 2 GiB message limit (about 5 bytes a token), so a config past them
+# would overflow or exhaust memory later instead of being refused here.
+MAX_SEQ_LEN = 2**24
+MAX_TOKEN_BUDGET = 2**28
+MAX_BATCH_SIZE = 2**20
+MAX_SORT_CHUNK = 2**31
 
 
 def round_up(value: int, multiple: int) -> int:
@@ -45,9 +63,13 @@ class ScheduleConfig(BaseModel):
         "[b_i, b_{i+1}). Or 'auto': the num_buckets edges that minimise padded tokens.",
     )
     num_buckets: int = Field(default=6, ge=1, le=64, description="Buckets made by 'auto'.")
-    max_seq_len: int = Field(default=8192, ge=1, description="Longer samples are overlong.")
-    token_budget: int = Field(default=49152, ge=1, description="rows x padded_len per batch.")
-    max_batch_size: int = Field(default=64, ge=1, description="At most this many rows a batch.")
+    max_seq_len: int = Field(default=8192, ge=1, le=MAX_SEQ_LEN, description="Longer samples are overlong.")
+    token_budget: int = Field(
+        default=49152, ge=1, le=MAX_TOKEN_BUDGET, description="rows x padded_len per batch."
+    )
+    max_batch_size: int = Field(
+        default=64, ge=1, le=MAX_BATCH_SIZE, description="At most this many rows a batch."
+    )
     pad_to_multiple_of: int = Field(default=1, ge=1, le=4096)
     seed: int = Field(default=0, ge=0, lt=2**63)
     interleave: Literal["stride", "random"] = "stride"
@@ -58,6 +80,7 @@ class ScheduleConfig(BaseModel):
     sort_chunk: int = Field(
         default=2048,
         ge=1,
+        le=MAX_SORT_CHUNK,
         description="Rows of one bucket are dealt into random chunks of about this size and "
         "sorted by length inside each chunk before packing (padding vs randomness).",
     )
@@ -89,6 +112,8 @@ class ScheduleConfig(BaseModel):
             raise ValueError(f"at most 64 buckets, got {len(bounds) - 1}")
         if any(b < 0 for b in bounds):
             raise ValueError(f"edges must be non-negative, got {list(bounds)}")
+        if bounds[-1] > MAX_SEQ_LEN + 1:
+            raise ValueError(f"the last edge must be at most {MAX_SEQ_LEN + 1}, got {bounds[-1]}")
         if any(b >= a for a, b in zip(bounds[1:], bounds[:-1], strict=True)):
             raise ValueError(f"edges must be strictly increasing, got {list(bounds)}")
         return bounds
@@ -134,8 +159,10 @@ class ScheduleConfig(BaseModel):
                 doc = tomllib.load(fh)
         except FileNotFoundError:
             raise ConfigError("config", f"no such file: {path}") from None
-        except tomllib.TOMLDecodeError as exc:
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
             raise ConfigError("config", f"{path} is not valid TOML: {exc}") from None
+        except OSError as exc:  # a folder, no permission, an I/O error
+            raise ConfigError("config", f"cannot read {path}: {exc.strerror or exc}") from None
         table = doc.get("schedule", doc)
         if not isinstance(table, dict):
             raise ConfigError("config", f"{path}: [schedule] must be a table")

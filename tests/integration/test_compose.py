@@ -11,6 +11,8 @@ conditions and healthchecks:
   entry points (``ladle``, ``python`` of this virtual environment);
 * each container path of a volume becomes a local folder (a named volume) or
   the repository file it mounts (``./deploy/redis.conf``);
+* each secret becomes a file with a fresh token, at the path the secret is
+  mounted on (``/run/secrets/NAME``), for the services that list it;
 * each ``service:port`` a container reaches, and each port a service listens
   on, becomes ``127.0.0.1:<a free port>``; ``0.0.0.0`` becomes ``127.0.0.1``.
 
@@ -24,6 +26,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import secrets
 import shlex
 import signal
 import socket
@@ -39,6 +42,7 @@ import numpy as np
 import pytest
 import yaml
 
+from ladle.client import AuthenticationError, BatchClient
 from ladle.service.dataset import open_dataset
 from ladle.service.schedule import ScheduleConfig, build_schedule
 
@@ -68,6 +72,14 @@ def test_the_compose_file_follows_the_specification() -> None:
         if name.startswith("trainer-"):
             assert service["depends_on"] == {"ladle": {"condition": "service_healthy"}}
             assert service["environment"]["RANK"] == name.removeprefix("trainer-")
+            assert service["secrets"] == ["ladle-token"]
+            assert service["environment"]["LADLE_TOKEN_FILE"] == "/run/secrets/ladle-token"
+    # the server listens on the compose network, so it must demand the token, given as a secret
+    command = services["ladle"]["command"]
+    assert command[command.index("--host") + 1] == "0.0.0.0"
+    assert command[command.index("--token-file") + 1] == "/run/secrets/ladle-token"
+    assert services["ladle"]["secrets"] == ["ladle-token"]
+    assert document["secrets"] == {"ladle-token": {"environment": "LADLE_TOKEN"}}
 
 
 def free_port() -> int:
@@ -138,6 +150,12 @@ class Stack:
         self.services: dict[str, Any] = self.document["services"]
         self.local = Local(workdir)
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self.token = secrets.token_urlsafe(32)
+        for secret in self.document.get("secrets") or {}:
+            path = workdir / "secrets" / secret
+            path.parent.mkdir(exist_ok=True)
+            path.write_text(self.token)
+            self.local.paths[f"/run/secrets/{secret}"] = path
         for name, service in self.services.items():
             for port in container_ports(service):
                 self.local.ports[(name, port)] = free_port()
@@ -246,3 +264,9 @@ def test_the_stack_runs_and_every_row_arrives_once(stack: Stack) -> None:
     assert len(np.unique(rows)) == len(rows), "a row arrived twice"
     assert np.array_equal(np.sort(rows), np.sort(sched.scheduled_rows())), "rows missing or unexpected"
     assert stack.procs["ladle"].poll() is None, "the server died"
+    # the token is in force: a trainer without it is refused
+    address = f"127.0.0.1:{stack.local.ports[('ladle', 50051)]}"
+    client = BatchClient(0, 2, address, "compose-demo", token="", timeout=30)
+    with client, pytest.raises(AuthenticationError):
+        next(iter(client))
+    assert stack.token not in (stack.local.workdir / "ladle.log").read_text()

@@ -112,3 +112,17 @@ def test_the_trainer_job_sets_rank_and_world_size() -> None:
     env = {e["name"]: e for e in job["spec"]["template"]["spec"]["containers"][0]["env"]}
     assert "job-completion-index" in env["RANK"]["valueFrom"]["fieldRef"]["fieldPath"]
     assert int(env["WORLD_SIZE"]["value"]) == job["spec"]["completions"]
+
+
+def test_the_server_and_the_trainers_get_the_token_from_a_secret() -> None:
+    """The server listens on 0.0.0.0, which ladle refuses without a token."""
+    secrets = by_kind("Secret")
+    for kind, name in (("Deployment", "ladle"), ("Job", "ladle-trainer")):
+        container = by_kind(kind)[name]["spec"]["template"]["spec"]["containers"][0]
+        env = {e["name"]: e for e in container["env"]}
+        ref = env["LADLE_TOKEN"]["valueFrom"]["secretKeyRef"]
+        assert ref == {"name": "ladle-token", "key": "token"}
+        assert "token" in secrets["ladle-token"]["stringData"]
+    server = by_kind("Deployment")["ladle"]["spec"]["template"]["spec"]["containers"][0]
+    assert "--host=0.0.0.0" in server["args"]
+    assert "--insecure" not in server["args"]

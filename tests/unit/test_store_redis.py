@@ -46,6 +46,7 @@ from ladle.service.store import (  # noqa: E402
 from ladle.service.store.base import MAX_INDEX  # noqa: E402
 from ladle.service.store.redis import redact_url, redis_client  # noqa: E402
 from tests.contract.store_contract import SPEC, MakeStore, StoreContract, StoreFactory  # noqa: E402
+from tests.support.certs import make_pki, openssl_available  # noqa: E402
 from tests.support.redis_server import RedisServer  # noqa: E402
 
 StartServer = Callable[..., RedisServer]
@@ -285,6 +286,30 @@ def test_tls_to_a_plain_server_fails_cleanly(redis_server: RedisServer) -> None:
     with pytest.raises(StoreUnavailableError):
         RedisCursorStore(f"rediss://{redis_server.host}:{redis_server.port}/0", socket_timeout_s=0.5)
     assert time.perf_counter() - began < 3
+
+
+@pytest.mark.skipif(not openssl_available(), reason="the openssl command is not installed")
+def test_rediss_to_a_tls_redis_verified_against_a_test_ca(
+    redis_server_factory: StartServer, tmp_path: Path
+) -> None:
+    """``rediss://`` end to end: Redis's own TLS port, the CA given in the URL, a wrong CA refused."""
+    pki = make_pki(tmp_path / "pki")
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        tls_port = probe.getsockname()[1]
+    redis_server_factory(
+        extra_args=(
+            "--tls-port", str(tls_port), "--tls-cert-file", str(pki.server_cert),
+            "--tls-key-file", str(pki.server_key), "--tls-ca-cert-file", str(pki.ca),
+            "--tls-auth-clients", "no",
+        )
+    )  # fmt: skip
+    url = f"rediss://127.0.0.1:{tls_port}/0?ssl_ca_certs={pki.ca}"
+    with RedisCursorStore(url) as store:
+        store.open_job(SPEC)
+        assert [j.job for j in store.list_jobs()] == [SPEC.job]
+    with pytest.raises(StoreUnavailableError):
+        RedisCursorStore(f"rediss://127.0.0.1:{tls_port}/0?ssl_ca_certs={pki.other_ca}", socket_timeout_s=2)
 
 
 def test_the_database_number_in_the_url_is_used(redis_server: RedisServer) -> None:

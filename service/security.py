@@ -1,0 +1,290 @@
+"""Who may talk to a batch server: the shared token, TLS, and the exposure check.
+
+* **Tokens.** ``load_tokens`` reads ``--token-file`` (one token a line, so a
+  new token can be added before the old one is removed) or ``LADLE_TOKEN``.
+  ``TokenCheck`` compares a presented ``authorization`` header in constant
+  time against every accepted token. ``TokenInterceptor`` applies it to every
+  gRPC call except the standard health service, answering UNAUTHENTICATED;
+  the HTTP app applies it through a FastAPI dependency. A token is never
+  logged, put in an error, a metric or the page: only "missing" or "wrong".
+* **TLS.** ``TlsFiles`` names the certificate, key and optional client CA
+  (mutual TLS); ``grpc_credentials`` and ``uvicorn_options`` turn them into
+  what each face needs.
+* **Exposure.** ``check_exposure`` refuses to listen on a non-loopback
+  address without a token unless ``--insecure`` is given, and warns when it is.
+"""
+
+from __future__ import annotations
+
+import base64
+import hmac
+import ipaddress
+import logging
+import os
+import ssl
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Final
+
+import grpc
+
+from ladle.proto import ladle_pb2 as pb
+from ladle.proto import rpc
+
+from .errors import ConfigError, LadleError
+
+__all__ = [
+    "MIN_TOKEN_LENGTH",
+    "TOKEN_ENV",
+    "TOKEN_FILE_ENV",
+    "AuthenticationError",
+    "TlsFiles",
+    "TokenCheck",
+    "TokenInterceptor",
+    "check_exposure",
+    "is_loopback",
+    "load_tokens",
+]
+
+log = logging.getLogger("ladle.security")
+
+TOKEN_ENV: Final = "LADLE_TOKEN"
+TOKEN_FILE_ENV: Final = "LADLE_TOKEN_FILE"
+MIN_TOKEN_LENGTH: Final = 16
+_HEALTH_PREFIX: Final = "/grpc.health.v1.Health/"
+_MAKE_ONE = "make one with: python -c 'import secrets; print(secrets.token_urlsafe(32))'"
+
+
+class AuthenticationError(LadleError):
+    """A request without the server's token, or with another one (the token itself is never named)."""
+
+    kind = "unauthenticated"
+
+
+def _valid(token: str, where: str) -> str:
+    if len(token) < MIN_TOKEN_LENGTH:
+        raise ConfigError(
+            "token",
+            f"{where}: a token has at least {MIN_TOKEN_LENGTH} characters, got {len(token)}; {_MAKE_ONE}",
+        )
+    if not all(33 <= ord(c) <= 126 for c in token):
+        # visible ASCII only: it travels in an HTTP/2 header
+        raise ConfigError("token", f"{where}: a token is visible ASCII without spaces; {_MAKE_ONE}")
+    return token
+
+
+def load_tokens(token_file: str | os.PathLike[str] | None = None, env: str | None = None) -> tuple[str, ...]:
+    """The accepted tokens: every non-empty line of ``token_file`` (default
+    ``$LADLE_TOKEN_FILE``, as a container secret is mounted), else ``env``
+    (default ``$LADLE_TOKEN``).
+
+    Returns ``()`` when none is given (no authentication). A file that
+    cannot be read, holds no token, or a token too short or with spaces is a
+    ``ConfigError`` that names the file, never the token.
+    """
+    if token_file is None:
+        token_file = os.environ.get(TOKEN_FILE_ENV) or None
+    if token_file is not None:
+        path = Path(token_file)
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(
+                "token_file", f"cannot read {path}: {getattr(exc, 'strerror', None) or exc}"
+            ) from None
+        tokens = tuple(_valid(line.strip(), str(path)) for line in text.splitlines() if line.strip())
+        if not tokens:
+            raise ConfigError("token_file", f"{path} holds no token; {_MAKE_ONE}")
+        return tokens
+    value = os.environ.get(TOKEN_ENV, "") if env is None else env
+    return (_valid(value.strip(), TOKEN_ENV),) if value.strip() else ()
+
+
+class TokenCheck:
+    """Is an ``authorization`` header one of the accepted tokens? Constant time in the header's content.
+
+    ``Bearer <token>`` is what trainers and scripts send; ``Basic`` with the
+    token as the password (any user name) lets a browser open the page.
+    """
+
+    def __init__(self, tokens: Sequence[str]) -> None:
+        if not tokens:
+            raise ValueError("TokenCheck needs at least one token")
+        self._tokens = [t.encode() for t in tokens]
+
+    def __repr__(self) -> str:
+        return f"TokenCheck({len(self._tokens)} token(s))"
+
+    def _matches(self, presented: bytes) -> bool:
+        ok = False
+        for token in self._tokens:  # every token compared: the time does not tell which one matched
+            ok |= hmac.compare_digest(token, presented)
+        return ok
+
+    def allows(self, header: str | bytes | None) -> bool:
+        if not header:
+            return False
+        value = header.decode("latin-1") if isinstance(header, bytes) else header
+        scheme, _, credentials = value.strip().partition(" ")
+        credentials = credentials.strip()
+        if scheme.lower() == "bearer":
+            return self._matches(credentials.encode("latin-1", "replace"))
+        if scheme.lower() == "basic":
+            try:
+                decoded = base64.b64decode(credentials, validate=True).decode("latin-1")
+            except ValueError:
+                return False
+            return self._matches(decoded.partition(":")[2].encode("latin-1"))
+        return False
+
+    def check(self, header: str | bytes | None) -> None:
+        """Raise ``AuthenticationError`` unless ``header`` carries an accepted token."""
+        if not self.allows(header):
+            raise AuthenticationError(
+                "missing token: send 'authorization: Bearer <token>' (BatchClient(token=...) or LADLE_TOKEN)"
+                if not header
+                else "wrong token: the server does not accept the token sent"
+            )
+
+
+def _header(metadata: Iterable[tuple[str, str | bytes]] | None) -> str | bytes | None:
+    for key, value in metadata or ():
+        if key == "authorization":
+            return value
+    return None
+
+
+class TokenInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
+    """Every gRPC call but the health service needs an accepted token, else UNAUTHENTICATED."""
+
+    def __init__(self, check: TokenCheck, on_refused: Callable[[], None] | None = None) -> None:
+        self._check = check
+        self._on_refused = on_refused
+        self.refused = 0
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[Any], Awaitable[Any]],
+        details: Any,
+    ) -> Any:
+        handler = await continuation(details)
+        if handler is None or details.method.startswith(_HEALTH_PREFIX):
+            return handler
+        try:
+            self._check.check(_header(details.invocation_metadata))
+        except AuthenticationError as exc:
+            self.refused += 1
+            if self._on_refused is not None:
+                self._on_refused()
+            log.info("refused %s: %s", details.method, exc)
+            return _refusal(handler, exc)
+        return handler
+
+
+def _refusal(handler: Any, exc: AuthenticationError) -> Any:
+    """A handler shaped like ``handler`` that ends the call with UNAUTHENTICATED and a ladle error trailer."""
+
+    async def refuse(request: Any, context: Any) -> None:
+        error = pb.Error(code="UNAUTHENTICATED", reason="unauthenticated", message=str(exc))
+        context.set_trailing_metadata(rpc.error_trailer(error))
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, str(exc))
+
+    if handler.request_streaming and handler.response_streaming:
+        return grpc.stream_stream_rpc_method_handler(refuse)
+    if handler.request_streaming:
+        return grpc.stream_unary_rpc_method_handler(refuse)
+    if handler.response_streaming:
+        return grpc.unary_stream_rpc_method_handler(refuse)
+    return grpc.unary_unary_rpc_method_handler(refuse)
+
+
+@dataclass(frozen=True)
+class TlsFiles:
+    """The server's certificate chain and key (PEM files), and a CA that client certificates must chain to."""
+
+    cert: Path
+    key: Path
+    client_ca: Path | None = None
+
+    @classmethod
+    def from_options(
+        cls,
+        cert: str | os.PathLike[str] | None,
+        key: str | os.PathLike[str] | None,
+        client_ca: str | os.PathLike[str] | None = None,
+    ) -> TlsFiles | None:
+        """None without ``cert`` and ``key``; ``ConfigError`` for one without the other or a missing file."""
+        if cert is None and key is None:
+            if client_ca is not None:
+                raise ConfigError("tls_client_ca", "mutual TLS needs --tls-cert and --tls-key too")
+            return None
+        if cert is None or key is None:
+            raise ConfigError(
+                "tls_cert" if cert is None else "tls_key", "--tls-cert and --tls-key go together"
+            )
+        files = cls(Path(cert), Path(key), Path(client_ca) if client_ca is not None else None)
+        for field, path in (
+            ("tls_cert", files.cert),
+            ("tls_key", files.key),
+            ("tls_client_ca", files.client_ca),
+        ):
+            if path is not None and not path.is_file():
+                raise ConfigError(field, f"no such file: {path}")
+        # a certificate that does not match its key fails here, at start-up, with the file named
+        try:
+            ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(files.cert, files.key)
+            if files.client_ca is not None:
+                ssl.create_default_context(cafile=str(files.client_ca))
+        except (ssl.SSLError, OSError) as exc:
+            raise ConfigError("tls_cert", f"cannot use {files.cert} with {files.key}: {exc}") from None
+        return files
+
+    def grpc_credentials(self) -> Any:
+        """``grpc.ssl_server_credentials`` for these files (client certificates required with a CA)."""
+        return grpc.ssl_server_credentials(
+            [(self.key.read_bytes(), self.cert.read_bytes())],
+            root_certificates=self.client_ca.read_bytes() if self.client_ca is not None else None,
+            require_client_auth=self.client_ca is not None,
+        )
+
+    def uvicorn_options(self) -> dict[str, Any]:
+        """The ``uvicorn.Config`` keywords that serve HTTPS with these files."""
+        options: dict[str, Any] = {"ssl_certfile": str(self.cert), "ssl_keyfile": str(self.key)}
+        if self.client_ca is not None:
+            options.update(ssl_ca_certs=str(self.client_ca), ssl_cert_reqs=ssl.CERT_REQUIRED)
+        return options
+
+
+def is_loopback(host: str) -> bool:
+    """Only this machine can reach ``host``: ``localhost`` or a loopback address (not ``0.0.0.0``)."""
+    if host.strip("[]").lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # a host name: assume others can reach it
+
+
+def check_exposure(host: str, *, token: bool, tls: bool, insecure: bool) -> None:
+    """Refuse a non-loopback address without a token unless ``insecure``; warn about what is exposed."""
+    if is_loopback(host):
+        return
+    if not token:
+        if not insecure:
+            raise ConfigError(
+                "host",
+                f"{host} can be reached from other machines and no token is set: give --token-file "
+                f"(or {TOKEN_ENV}), or --insecure to serve every batch to anyone who connects",
+            )
+        log.warning(
+            "INSECURE: serving on %s without a token: anyone who can reach this port can read "
+            "every batch and move every job's cursor",
+            host,
+        )
+    elif not tls:
+        log.warning(
+            "serving on %s with a token but without TLS: the token and the batches cross the network "
+            "in clear text (give --tls-cert and --tls-key, or keep the network private)",
+            host,
+        )

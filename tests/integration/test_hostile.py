@@ -1,0 +1,425 @@
+"""Hostile and broken input against a real ``ladle serve``: each gets a clear answer, the server stays up.
+
+Garbage on the gRPC port, malformed and absurd Stream requests, a client that
+stops reading at the transport, absurd HTTP queries, a dataset file truncated
+or replaced while it is served, and Redis going away in the middle of an epoch.
+After each, the server still answers and a real trainer still gets its exact
+stream (compared with ``build_schedule``). docs/hardening.md describes them.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import shutil
+import socket
+import threading
+import time
+import urllib.parse
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+
+from ladle.client import BatchClient, BatchClientError
+from ladle.proto import codec, rpc
+from ladle.proto import ladle_pb2 as pb
+from ladle.service.dataset import open_dataset
+from ladle.service.errors import DatasetChangedError
+
+from .conftest import ServerProcess
+from .test_serving import check_rank_stream, consume, reference
+
+Factory = Callable[..., ServerProcess]
+
+
+def serves_a_trainer(server: ServerProcess, dataset: Path, job: str) -> None:
+    """A real trainer still receives its whole epoch, byte for byte as scheduled."""
+    with BatchClient(0, 1, server.address, job, timeout=60) as client:
+        got = consume(client)
+    check_rank_stream(dataset, reference(dataset, 1), 0, got)
+    assert server.proc is not None
+    assert server.proc.poll() is None, "the server exited"
+
+
+def whole_log(server: ServerProcess) -> str:
+    return (server.workdir / "server.log").read_text(errors="replace")
+
+
+def http_get(server: ServerProcess, target: str) -> tuple[int, bytes]:
+    """(status, body) of a GET of exactly ``target`` (no quoting or normalising on the way)."""
+    conn = http.client.HTTPConnection("127.0.0.1", server.http_port, timeout=60)
+    try:
+        conn.putrequest("GET", target, skip_accept_encoding=True)
+        conn.endheaders()
+        response = conn.getresponse()
+        return response.status, response.read()
+    finally:
+        conn.close()
+
+
+# ------------------------------------------------------------------ the gRPC port
+
+
+def test_garbage_bytes_on_the_grpc_port(module_server: ServerProcess, small_dataset: Path) -> None:
+    host, port = module_server.address.rsplit(":", 1)
+    rng = np.random.default_rng(7)
+
+    def connect() -> socket.socket:
+        return socket.create_connection((host, int(port)), timeout=10)
+
+    for size in (1, 100, 65536):
+        with connect() as sock:
+            sock.sendall(rng.bytes(size))
+    with connect() as sock:  # half an HTTP/2 preface, then silence, then gone
+        sock.sendall(b"PRI * HTTP/2.0\r\n")
+        time.sleep(1.0)
+    with connect() as sock:  # a whole preface, then garbage frames
+        sock.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + rng.bytes(4096))
+        time.sleep(0.2)
+    with connect() as sock:  # HTTP/1.1 on the HTTP/2 port
+        sock.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        time.sleep(0.2)
+    serves_a_trainer(module_server, small_dataset, "after-garbage")
+
+
+def drain_frames(frames: Iterator[bytes]) -> None:
+    """Read a call to its end; what comes before a refusal must be well-formed frames."""
+    for frame in frames:
+        codec.decode_frame(frame)
+
+
+def open_bytes(**fields: Any) -> bytes:
+    data: bytes = pb.StreamRequest(open=pb.Open(**fields)).SerializeToString()
+    return data
+
+
+def varint(value: int) -> bytes:
+    """A protobuf varint of ``value`` (negative: the 10-byte two's complement form)."""
+    value &= (1 << 64) - 1
+    out = bytearray()
+    while True:
+        byte, value = value & 0x7F, value >> 7
+        out.append(byte | (0x80 if value else 0))
+        if not value:
+            return bytes(out)
+
+
+def negative_rank_open() -> bytes:
+    """An Open whose rank field holds the varint of -1 (no protobuf library would write it)."""
+    inner = b"\x0a\x03neg" + b"\x10" + varint(-1) + b"\x18\x02" + b"\x28\x02"
+    return b"\x0a" + varint(len(inner)) + inner
+
+
+CREDIT = pb.StreamRequest(credit=pb.Credit(n=1)).SerializeToString()
+HUGE_ACK = pb.StreamRequest(
+    ack=pb.Ack(through=pb.Position(epoch=2**64 - 1, step=1), credit=1)
+).SerializeToString()
+GOOD = {"rank": 0, "world_size": 1, "prefetch": 2}
+BAD_REQUESTS: dict[str, tuple[list[bytes], set[str]]] = {
+    "garbage": ([b"\xff\xff\xff\xff"], {"INVALID_ARGUMENT"}),
+    "a field of the wrong wire type": ([b"\x0a\x05hello"], {"INVALID_ARGUMENT"}),
+    "nothing at all": ([], {"INVALID_ARGUMENT"}),
+    "credit before open": ([CREDIT], {"INVALID_ARGUMENT"}),
+    "negative rank": ([negative_rank_open()], {"INVALID_ARGUMENT"}),
+    "huge rank": ([open_bytes(job="j", rank=2**32 - 1, world_size=2, prefetch=2)], {"INVALID_ARGUMENT"}),
+    "world size 2**32-1": (
+        [open_bytes(job="j", rank=0, world_size=2**32 - 1, prefetch=2)],
+        {"INVALID_ARGUMENT"},
+    ),
+    "world size 0": ([open_bytes(job="j", rank=0, world_size=0, prefetch=2)], {"INVALID_ARGUMENT"}),
+    "prefetch 0": ([open_bytes(job="j", rank=0, world_size=1, prefetch=0)], {"INVALID_ARGUMENT"}),
+    "prefetch 10**9": (
+        [open_bytes(job="j", rank=0, world_size=1, prefetch=10**9)],
+        {"INVALID_ARGUMENT", "RESOURCE_EXHAUSTED"},
+    ),
+    "empty job name": ([open_bytes(job="", **GOOD)], {"INVALID_ARGUMENT"}),
+    "path in the job name": ([open_bytes(job="../../etc/passwd", **GOOD)], {"INVALID_ARGUMENT"}),
+    "60 KB job name": ([open_bytes(job="x" * 60_000, **GOOD)], {"INVALID_ARGUMENT", "RESOURCE_EXHAUSTED"}),
+    "1 MB job name": ([open_bytes(job="x" * (1 << 20), **GOOD)], {"INVALID_ARGUMENT", "RESOURCE_EXHAUSTED"}),
+    "start at epoch 2**64-1": (
+        [open_bytes(job="hostile-start", start=pb.Position(epoch=2**64 - 1, step=0), **GOOD)],
+        {"INVALID_ARGUMENT"},
+    ),
+    "garbage after the open": (
+        [open_bytes(job="hostile-garbage", **GOOD), b"\xff\xff"],
+        {"INVALID_ARGUMENT"},
+    ),
+    "an ack far past the end": ([open_bytes(job="hostile-ack", **GOOD), HUGE_ACK], {"INVALID_ARGUMENT"}),
+}
+
+
+def test_malformed_and_absurd_stream_requests(module_server: ServerProcess, small_dataset: Path) -> None:
+    """Each gets a clear status (with a ladle error trailer when ladle refused it), never OK or UNKNOWN."""
+    limit = ("grpc.max_send_message_length", 4 << 20)
+    with grpc.insecure_channel(module_server.address, options=[limit]) as channel:
+        call = channel.stream_stream(rpc.STREAM_METHOD, request_serializer=None, response_deserializer=None)
+        for name, (requests, codes) in BAD_REQUESTS.items():
+
+            def slowly(items: list[bytes] = requests) -> Iterator[bytes]:
+                yield from items
+                time.sleep(1.0)  # the server answers before the client half-closes
+
+            with pytest.raises(grpc.RpcError) as info:
+                drain_frames(call(slowly(), timeout=60))
+            error = info.value
+            assert error.code().name in codes, f"{name}: {error.code()} {error.details()}"
+            assert len(error.details() or "") < 4096, (
+                f"{name}: the status details are {len(error.details())} chars"
+            )
+            details = rpc.error_details(error.trailing_metadata())
+            if error.code().name == "INVALID_ARGUMENT":
+                assert details is not None, f"{name}: no ladle error trailer"
+                assert details.message, f"{name}: the trailer explains nothing"
+    assert "Unexpected" not in whole_log(module_server), "grpc logged a servicer crash"
+    serves_a_trainer(module_server, small_dataset, "after-bad-requests")
+
+
+def test_a_client_that_stops_reading_at_the_transport(
+    module_server: ServerProcess, small_dataset: Path
+) -> None:
+    """Credits for 2**32 batches and no read at all: HTTP/2 flow control holds the server, others go on.
+
+    (``test_serving`` covers the BatchClient that stops consuming: the credit window holds it.)
+    """
+    stop = threading.Event()
+
+    def requests() -> Iterator[pb.StreamRequest]:
+        yield pb.StreamRequest(open=pb.Open(job="never-reads", rank=0, world_size=1, prefetch=4))
+        for _ in range(50):
+            yield pb.StreamRequest(credit=pb.Credit(n=2**32 - 1))
+        stop.wait(120)
+
+    with grpc.insecure_channel(module_server.address) as channel:
+        call = rpc.BatchServiceClient(channel).stream(requests())  # never iterated: nothing is read
+        try:
+            time.sleep(1.0)
+            before = module_server.rss_kib()
+            time.sleep(3.0)
+            grown = module_server.rss_kib() - before
+            # unbounded, the server would queue thousands of ~15 KB frames a second
+            assert grown < 50_000, f"server RSS grew {grown} KiB for a client that reads nothing"
+            serves_a_trainer(module_server, small_dataset, "beside-a-stalled-client")
+            assert module_server.rss_kib() - before < 50_000, "the stalled stream piled up frames"
+        finally:
+            stop.set()
+            call.cancel()
+
+
+# ------------------------------------------------------------------ HTTP
+
+HTTP_JOB = "hostile-http"
+LONG = "j" * 10_000
+HOSTILE_QUERIES = [
+    f"/v1/jobs/{HTTP_JOB}/schedule?limit=1000000000000",
+    f"/v1/jobs/{HTTP_JOB}/schedule?limit=0",
+    f"/v1/jobs/{HTTP_JOB}/schedule?limit=-5",
+    f"/v1/jobs/{HTTP_JOB}/schedule?start=-1",
+    f"/v1/jobs/{HTTP_JOB}/schedule?start=99999999999999999999999",
+    f"/v1/jobs/{HTTP_JOB}/schedule?epoch=abc",
+    f"/v1/jobs/{HTTP_JOB}/schedule?epoch=1.5",
+    f"/v1/jobs/{HTTP_JOB}/schedule?epoch=-1",
+    f"/v1/jobs/{HTTP_JOB}/schedule?epoch=1e400",
+    f"/v1/jobs/{HTTP_JOB}/schedule?epoch=100000000000000000000000000000",
+    f"/v1/jobs/{HTTP_JOB}/schedule?rank=-1",
+    f"/v1/jobs/{HTTP_JOB}/schedule?rank=7",
+    f"/v1/jobs/{HTTP_JOB}/schedule?include=everything",
+    f"/v1/jobs/{HTTP_JOB}/schedule?interleave=bogus",
+    f"/v1/jobs/{HTTP_JOB}/schedule?limit=1&limit=abc",
+    f"/v1/jobs/{HTTP_JOB}/buckets?interleave=%00",
+    f"/v1/jobs/{HTTP_JOB}/quality?epoch=%F0%9F%92%A9",
+    f"/v1/jobs/{LONG}",
+    f"/v1/jobs/{LONG}/schedule",
+    "/v1/jobs/..%2F..%2F..%2Fetc%2Fpasswd",
+    "/v1/jobs/../../../etc/passwd",
+    "/v1/jobs/%2e%2e/%2e%2e/etc/passwd/schedule",
+    "/v1/jobs/run%00x",
+    "/v1/jobs/%ff%fe",
+    "/v1/jobs/" + urllib.parse.quote("日本語"),
+    "/v1/jobs/no-such-job/quality",
+    f"/?job={LONG}",
+    "/?job=../../etc/passwd",
+    "/?world_size=1000000000",
+    "/?world_size=0",
+    "/?start=-1",
+    "/?epoch=nope",
+    "/static/../../../../etc/passwd",
+    "/" + "a" * 20_000,
+]
+
+
+def test_absurd_http_queries_get_4xx_never_5xx(module_server: ServerProcess) -> None:
+    with BatchClient(0, 2, module_server.address, HTTP_JOB, timeout=60) as client:
+        consume(client, limit=2)
+    for target in HOSTILE_QUERIES:
+        status, body = http_get(module_server, target)
+        assert 400 <= status < 500, f"GET {target[:120]}: {status} {body[:300]!r}"
+        if body.startswith(b"{"):
+            assert json.loads(body), f"GET {target[:120]}: an empty error body"
+    # a far epoch of a real job is a schedule like any other, a start past its end an empty page
+    for target in (
+        "schedule?epoch=9007199254740991&limit=2",
+        "schedule?start=9007199254740991",
+        "quality?epoch=0",
+    ):
+        status, body = http_get(module_server, f"/v1/jobs/{HTTP_JOB}/{target}")
+        assert status == 200, f"GET {target}: {status} {body[:300]!r}"
+    status, _ = http_get(module_server, "/healthz")
+    assert status == 200
+    assert "ERROR ladle.http" not in whole_log(module_server), "a query crashed a handler"
+
+
+# ------------------------------------------------------------------ the dataset on disk
+
+
+def data_files(dataset: Path) -> list[Path]:
+    files = sorted(dataset.glob("data-*.arrow"))
+    assert files, f"no Arrow files in {dataset}"
+    return files
+
+
+@pytest.mark.parametrize("how", ["truncated", "grown", "replaced", "rewritten", "removed"])
+def test_every_change_of_a_data_file_is_detected(small_dataset: Path, tmp_path: Path, how: str) -> None:
+    copy = tmp_path / "ds"
+    shutil.copytree(small_dataset, copy)
+    dataset = open_dataset(copy)
+    dataset.check_files()  # as opened: no complaint
+    victim = data_files(copy)[0]
+    if how == "truncated":
+        os.truncate(victim, victim.stat().st_size // 2)
+    elif how == "grown":
+        with victim.open("ab") as fh:
+            fh.write(b"\0" * 100)
+    elif how == "replaced":
+        shutil.copyfile(victim, tmp_path / "new.arrow")
+        os.replace(tmp_path / "new.arrow", victim)
+    elif how == "rewritten":  # same size, new bytes, in place
+        stat = victim.stat()
+        with victim.open("r+b") as fh:
+            fh.seek(stat.st_size - 8)
+            fh.write(b"\xff" * 8)
+        os.utime(victim, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000_000))
+    else:
+        victim.unlink()
+    with pytest.raises(DatasetChangedError) as info:
+        dataset.check_files()
+    assert info.value.file == str(victim)
+    assert str(victim) in str(info.value)
+
+
+def test_a_dataset_truncated_while_served(
+    server_factory: Factory, small_dataset: Path, tmp_path: Path
+) -> None:
+    """The trainer gets FAILED_PRECONDITION naming the file, the log names it, and the server stays up."""
+    copy = tmp_path / "served-ds"
+    shutil.copytree(small_dataset, copy)
+    server = server_factory(dataset=copy)
+    victim = data_files(copy)[0]
+    client = BatchClient(0, 1, server.address, "truncated", timeout=60, prefetch=1)
+    try:
+        it = iter(client)
+        next(it)
+        os.truncate(victim, victim.stat().st_size // 3)  # reading the cut pages would be a SIGBUS
+        with pytest.raises(BatchClientError) as info:  # noqa: PT012 - a batch or two were already in flight
+            for _ in range(10):
+                next(it)
+        assert info.value.code == "FAILED_PRECONDITION", info.value
+        assert str(victim) in str(info.value), f"the error does not name the file: {info.value}"
+    finally:
+        client.close()
+
+    # the trailer says the same to any new stream
+    with grpc.insecure_channel(server.address) as channel:
+        stub = rpc.BatchServiceClient(channel)
+        opening = pb.StreamRequest(open=pb.Open(job="after-truncation", rank=0, world_size=1, prefetch=1))
+        with pytest.raises(grpc.RpcError) as raw:
+            list(stub.stream(iter([opening]), timeout=60))
+        assert raw.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        details = rpc.error_details(raw.value.trailing_metadata())
+        assert details is not None
+        assert details.reason == "DatasetChangedError", details
+        assert str(victim) in details.message
+        info_reply = stub.describe("after-truncation", timeout=60)  # requests that read no tokens: answered
+        assert info_reply.steps_per_epoch > 0
+
+    assert server.proc is not None
+    assert server.proc.poll() is None, "the server died"
+    assert http_get(server, "/healthz")[0] == 200, "healthz stopped answering"
+    status, body = http_get(server, "/readyz")
+    assert status == 503, body
+    assert json.loads(body)["dataset_ok"] is False, body
+    assert http_get(server, "/v1/jobs")[0] == 200
+    log = server.log_tail()
+    assert f"ERROR ladle.server: dataset file {victim}" in log, f"the log does not name the file: {log}"
+
+
+# ------------------------------------------------------------------ Redis goes away
+
+
+def test_redis_going_away_mid_epoch(
+    redis_server_factory: Callable[..., Any], server_factory: Factory, small_dataset: Path
+) -> None:
+    """/readyz turns 503, the trainers wait (backoff) and finish the epoch exactly once when Redis returns."""
+    world = 2
+    redis = redis_server_factory(appendonly=True, appendfsync="always")
+    server = server_factory(extra=["--redis-url", redis.url])
+    sched = reference(small_dataset, world)
+    got: dict[int, list[dict[str, Any]]] = {r: [] for r in range(world)}
+    errors: list[BaseException] = []
+    reconnects: dict[int, int] = {}
+
+    def train(rank: int) -> None:
+        try:
+            with BatchClient(rank, world, server.address, "redis-outage", timeout=120) as client:
+                for batch in client:
+                    got[rank].append({"step": batch.step, "sample_ids": np.array(batch.sample_ids)})
+                    time.sleep(0.02)
+                reconnects[rank] = client.reconnects
+        except BaseException as exc:  # surfaced below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=train, args=(r,), daemon=True) for r in range(world)]
+    for t in threads:
+        t.start()
+    try:
+        deadline = time.monotonic() + 60
+        while min(len(g) for g in got.values()) < sched.num_steps // 4:
+            assert not errors, errors
+            assert time.monotonic() < deadline, "the trainers made no progress"
+            time.sleep(0.01)
+        redis.stop()
+        deadline = time.monotonic() + 30
+        while http_get(server, "/readyz")[0] != 503:
+            assert time.monotonic() < deadline, "/readyz stayed ready with Redis gone"
+            time.sleep(0.1)
+        stalled = {r: len(g) for r, g in got.items()}
+        time.sleep(3.0)  # longer than the client's first backoffs
+        assert not errors, f"a trainer failed instead of waiting: {errors}"
+        assert all(t.is_alive() for t in threads), "a trainer gave up while Redis was away"
+        assert all(len(got[r]) <= stalled[r] + 8 for r in got), "batches flowed with no store"
+        redis.start()  # same port, the AOF brings the cursors back
+        for t in threads:
+            t.join(timeout=120)
+        assert not errors, errors
+        assert all(n >= 1 for n in reconnects.values()), f"the outage reached no trainer: {reconnects}"
+        assert http_get(server, "/readyz")[0] == 200
+    finally:
+        redis.start()
+        for t in threads:
+            t.join(timeout=30)
+    served = []
+    for rank in range(world):
+        steps = [b["step"] for b in got[rank]]
+        assert steps == list(range(sched.num_steps)), f"rank {rank}: a step lost or repeated"
+        for b in got[rank]:
+            assert np.array_equal(b["sample_ids"], sched.samples(b["step"], rank)), (
+                f"rank {rank}: other samples"
+            )
+            served.append(b["sample_ids"])
+    ids = np.concatenate(served)
+    assert len(np.unique(ids)) == len(ids), "duplicate samples"
+    assert len(ids) + len(sched.dropped) == open_dataset(small_dataset).num_rows, "missing samples"
