@@ -8,9 +8,12 @@ naive bucket shuffle) it starts a ``ladle serve`` on loopback (or uses
 draws the loss of every mode against the step in one PNG and prints the
 ladder's figures: the std of the windowed loss (minus its trend) and the
 longest streak of windows above the mean, as ``ladle plan --simulate-loss``
-defines them. See docs/training.md for the command that drew docs/ladder.png.
+defines them, each bucket's measured loss level and batch-to-batch noise, and
+what those levels and noise give when replayed through many seeds' schedules
+of both modes. See docs/training.md for what the command that drew
+docs/ladder.png measured:
 
-    python examples/train_ddp.py --out runs/ladder --plot docs/ladder.png
+    python examples/train_ddp.py --out runs/ladder --steps 400 --plot docs/ladder.png
 
 Without ``--dataset`` it tokenizes the Python standard library's own sources
 (``--text``, split into functions, BPE trained here) into ``OUT/dataset``
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import socket
 import sys
@@ -40,7 +44,7 @@ from torch.nn import functional
 
 from ladle.client import BatchClient
 from ladle.service.launch import ServeProcess
-from ladle.service.schedule import ScheduleConfig
+from ladle.service.schedule import ScheduleConfig, build_schedule
 from ladle.service.schedule.stats import LossFigures, longest_runs, loss_figures
 
 Interleave = Literal["stride", "random"]
@@ -111,8 +115,19 @@ class RankJob:
     heads: int
     lr: float
     warmup: int
+    decay: str
     seed: int
     report_every: int
+
+
+def lr_factor(step: int, spec: RankJob) -> float:
+    """Linear warm-up over ``warmup`` steps, then (cosine ``decay``, ``steps`` set) down to 10% at the end."""
+    if step < spec.warmup:
+        return (step + 1) / spec.warmup
+    if spec.decay != "cosine" or spec.steps <= spec.warmup:
+        return 1.0
+    done = min(1.0, (step - spec.warmup) / max(1, spec.steps - 1 - spec.warmup))
+    return 0.1 + 0.45 * (1.0 + math.cos(math.pi * done))
 
 
 def train_rank(rank: int, spec: RankJob) -> None:
@@ -125,7 +140,7 @@ def train_rank(rank: int, spec: RankJob) -> None:
             TinyLM(spec.vocab, spec.d_model, spec.layers, spec.heads, spec.max_len)
         )
         optimizer = torch.optim.AdamW(model.parameters(), lr=spec.lr, weight_decay=0.01)
-        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / spec.warmup))
+        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, spec))
         log_path = Path(spec.log_dir, f"rank-{rank}.jsonl")
         began = time.perf_counter()
         with BatchClient(rank, spec.world, spec.server, spec.job, device="cpu", timeout=120) as client:
@@ -220,6 +235,7 @@ def run_mode(args: argparse.Namespace, dataset: Path, vocab: int, mode: Interlea
             heads=args.heads,
             lr=args.lr,
             warmup=args.warmup,
+            decay=args.decay,
             seed=args.seed,
             report_every=args.report_every,
         )
@@ -288,17 +304,116 @@ def ladder_figures(loss: F64, *, skip: int, trend: int, window: int) -> LossFigu
     return loss_figures(detrended(loss, trend)[skip:], window=window)
 
 
-def bucket_levels(run: RunLog, skip: int, trend: int) -> list[float]:
-    """Each bucket's mean loss above the run's trend (its own batches, every rank, after ``skip``)."""
-    above = run.rank_loss - moving_average(run.loss, trend)[:, None]
-    levels = []
+@dataclass(frozen=True)
+class BucketLevel:
+    """One bucket's batches after ``skip`` (every rank): their share, loss level and spread.
+
+    ``level`` is the mean of a batch's loss minus the run's trend at its step
+    (training lowers every bucket's loss; this is what is left of each bucket's
+    own level); ``noise`` is the std of the same differences, i.e. how far one
+    batch of the bucket lands from the next. A ladder needs levels that differ
+    by more than the noise. ``loss`` is the plain mean of the batches' losses.
+    """
+
+    bucket: int
+    share: float
+    level: float
+    noise: float
+    loss: float
+
+
+def bucket_levels(run: RunLog, skip: int, trend: int) -> list[BucketLevel]:
+    """The ``BucketLevel`` of every bucket of a run."""
+    above = (run.rank_loss - moving_average(run.loss, trend)[:, None])[skip:]
+    buckets, losses = run.buckets[skip:], run.rank_loss[skip:]
+    out = []
     for bucket in range(run.num_buckets):
-        mine = run.buckets[skip:] == bucket
-        levels.append(round(float(above[skip:][mine].mean()), 3) if mine.any() else float("nan"))
-    return levels
+        mine = buckets == bucket
+        if not mine.any():
+            out.append(BucketLevel(bucket, 0.0, float("nan"), float("nan"), float("nan")))
+            continue
+        out.append(
+            BucketLevel(
+                bucket,
+                share=round(float(mine.mean()), 3),
+                level=round(float(above[mine].mean()), 3),
+                noise=round(float(above[mine].std()), 3),
+                loss=round(float(losses[mine].mean()), 3),
+            )
+        )
+    return out
 
 
-def plot(runs: list[RunLog], path: Path, *, skip: int, trend: int, window: int) -> None:
+def replay(
+    runs: list[RunLog],
+    lengths: I64,
+    config: ScheduleConfig,
+    *,
+    seeds: int,
+    skip: int,
+    trend: int,
+    window: int,
+) -> dict[str, dict[str, float]]:
+    """The figures the measured bucket levels and noise give, over ``seeds`` schedules of each mode.
+
+    Every batch of a run, after ``skip``, leaves one value: its loss minus the
+    trend at its step. Pooled per bucket over all runs, these are the buckets'
+    measured levels and batch-to-batch noise, training's own drift removed.
+    For each seed, both modes' schedules (that seed, everything else as
+    ``config``) get, for every batch, a value drawn from its bucket's pool; the
+    figures of the mean over ranks are then averaged over the seeds. This
+    separates what the order of the buckets does from the luck of one run.
+    """
+    world = runs[0].buckets.shape[1]
+    steps = min(len(run.loss) for run in runs)
+    pools = [
+        np.concatenate(
+            [
+                (run.rank_loss - moving_average(run.loss, trend)[:, None])[skip:][run.buckets[skip:] == b]
+                for run in runs
+            ]
+        )
+        for b in range(max(run.num_buckets for run in runs))
+    ]
+    out: dict[str, dict[str, float]] = {}
+    for mode in MODES:
+        stds, streaks = [], []
+        for seed in range(seeds):
+            cfg = config.replace(interleave=mode, seed=seed)
+            grids: list[I64] = []
+            epoch = 0
+            while sum(len(g) for g in grids) < steps:
+                grids.append(build_schedule(lengths, cfg, epoch=epoch, world_size=world).buckets)
+                epoch += 1
+            buckets = np.concatenate(grids)[:steps]
+            rng = np.random.default_rng(seed)
+            values = np.zeros(buckets.shape)
+            for b, pool in enumerate(pools):
+                mine = buckets == b
+                if mine.any() and len(pool):
+                    values[mine] = pool[rng.integers(len(pool), size=int(mine.sum()))]
+            figures = loss_figures(values.mean(axis=1)[skip:], window=window)
+            stds.append(figures.windowed_std)
+            streaks.append(figures.longest_above_mean_streak)
+        out[mode] = {
+            "seeds": seeds,
+            "windowed_std": round(float(np.mean(stds)), 4),
+            "windowed_std_sd": round(float(np.std(stds)), 4),
+            "longest_above_mean_streak": round(float(np.mean(streaks)), 2),
+            "longest_above_mean_streak_sd": round(float(np.std(streaks)), 2),
+        }
+    return out
+
+
+def plot(
+    runs: list[RunLog],
+    path: Path,
+    *,
+    skip: int,
+    trend: int,
+    window: int,
+    bounds: tuple[int, ...] | None = None,
+) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -330,6 +445,24 @@ def plot(runs: list[RunLog], path: Path, *, skip: int, trend: int, window: int) 
         f"{runs[0].buckets.shape[1]} ranks; loss per step (thin) and its {window}-step moving average"
     )
     top.legend()
+    lines = [f"each bucket's batches (steps {skip}+): loss minus trend, mean ± std"]
+    for run in runs:
+        cells = []
+        for level in bucket_levels(run, skip, trend):
+            name = (
+                f"[{bounds[level.bucket]},{bounds[level.bucket + 1]})" if bounds else f"bucket {level.bucket}"
+            )
+            cells.append(f"{name} {level.share:.0%}: {level.level:+.2f} ± {level.noise:.2f}")
+        lines.append(f"{run.mode}: " + ",  ".join(cells))
+    top.text(
+        0.01,
+        0.03,
+        "\n".join(lines),
+        transform=top.transAxes,
+        fontsize=8,
+        va="bottom",
+        bbox={"facecolor": "white", "alpha": 0.8, "edgecolor": "lightgrey"},
+    )
     top.set_ylim(top=float(np.percentile(np.concatenate([r.loss for r in runs]), 99.5)))
     middle.axhline(0.0, color="grey", linewidth=0.8)
     middle.set_ylabel(f"loss minus {trend}-step trend,\nwindows of {window} steps")
@@ -422,10 +555,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     run.add_argument("--steps", type=int, default=0, help="stop after this many steps (0: one epoch)")
     run.add_argument("--report-every", type=int, default=25)
     sched = p.add_argument_group("schedule")
-    sched.add_argument("--bucket-bounds", default="0,32,64,128,257", help="edges, or auto")
-    sched.add_argument("--num-buckets", type=int, default=4, help="with --bucket-bounds auto")
+    sched.add_argument("--bucket-bounds", default="0,16,96,257", help="edges, or auto")
+    sched.add_argument("--num-buckets", type=int, default=3, help="with --bucket-bounds auto")
     sched.add_argument("--max-seq-len", type=int, default=256)
-    sched.add_argument("--token-budget", type=int, default=2048)
+    sched.add_argument("--token-budget", type=int, default=4096)
     sched.add_argument("--max-batch-size", type=int, default=64)
     sched.add_argument("--rank-mode", default="mixed", choices=["mixed", "sync"])
     sched.add_argument("--seed", type=int, default=0, help="schedule and model initialisation")
@@ -435,11 +568,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     model.add_argument("--heads", type=int, default=4)
     model.add_argument("--lr", type=float, default=3e-3)
     model.add_argument("--warmup", type=int, default=20, help="steps of linear learning-rate warm-up")
+    model.add_argument(
+        "--decay", default="cosine", choices=["cosine", "none"], help="after warm-up, to 10%% by --steps"
+    )
     figures = p.add_argument_group("figures")
     figures.add_argument("--plot", type=Path, help="draw the loss of every mode into this PNG")
     figures.add_argument("--window", type=int, default=8, help="steps per window (moving average)")
     figures.add_argument("--trend", type=int, default=64, help="steps of the trend removed before figures")
     figures.add_argument("--skip", type=int, default=50, help="first steps left out of the figures")
+    figures.add_argument(
+        "--replay-seeds", type=int, default=20, help="schedules to replay the levels over (0: none)"
+    )
     args = p.parse_args(argv)
     args.include = args.include or ["*.py"]
     args.exclude = args.exclude or ["site-packages"]
@@ -478,7 +617,7 @@ def main(argv: list[str] | None = None) -> int:
             "steps": len(run.loss),
             "last_loss": round(last, 4),
             "longest_run_per_bucket": runs_per_bucket.tolist(),
-            "bucket_loss_above_trend": bucket_levels(run, args.skip, args.trend),
+            "buckets": [vars(level) for level in bucket_levels(run, args.skip, args.trend)],
         }
         cells = [
             run.mode.ljust(len(header[0])),
@@ -488,12 +627,40 @@ def main(argv: list[str] | None = None) -> int:
             " ".join(str(int(r)) for r in runs_per_bucket).rjust(len(header[4])),
         ]
         print("  ".join(cells))
+    print(f"\neach bucket's batches, steps {args.skip}+ (level, noise: mean and std of loss minus trend)")
+    print("mode    bucket  share  level   noise  loss")
     for run in runs:
-        levels = " ".join(f"{v:+.3f}" for v in summary[run.mode]["bucket_loss_above_trend"])
-        print(f"{run.mode}: each bucket's loss above the trend: {levels}")
+        for level in bucket_levels(run, args.skip, args.trend):
+            print(
+                f"{run.mode:<7} {level.bucket:>6}  {level.share:5.3f}  {level.level:+.3f}  "
+                f"{level.noise:.3f}  {level.loss:.3f}"
+            )
+    if args.replay_seeds and not args.server and len(runs) > 0:
+        from ladle.service.dataset import open_dataset
+
+        replayed = replay(
+            runs,
+            open_dataset(dataset).lengths,
+            schedule_config(args, "stride"),
+            seeds=args.replay_seeds,
+            skip=args.skip,
+            trend=args.trend,
+            window=args.window,
+        )
+        print(f"\nthose levels and noise replayed through {args.replay_seeds} seeds' schedules (mean, sd)")
+        for mode, fig in replayed.items():
+            print(
+                f"{mode:<7} std of windowed loss {fig['windowed_std']:.4f} "
+                f"({fig['windowed_std_sd']:.4f}), longest streak above mean "
+                f"{fig['longest_above_mean_streak']:.1f} ({fig['longest_above_mean_streak_sd']:.1f})"
+            )
+            if mode in summary:
+                summary[mode]["replay"] = fig
     Path(args.out, "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     if args.plot:
-        plot(runs, args.plot, skip=args.skip, trend=args.trend, window=args.window)
+        config = schedule_config(args, "stride")
+        bounds = None if args.server or config.bucket_bounds == "auto" else tuple(config.bucket_bounds)
+        plot(runs, args.plot, skip=args.skip, trend=args.trend, window=args.window, bounds=bounds)
         print(f"drew {args.plot}")
     return 0
 
