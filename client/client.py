@@ -50,10 +50,9 @@ _MAX_INDEX = 2**53 - 1
 _RECEIVE_LIMIT = 256 << 20  # far above any batch (a 49152-token batch frame is ~250 KiB)
 _BACKOFF_FIRST, _BACKOFF_MAX = 0.05, 2.0
 # An acknowledgement reaches the server at most this long after the trainer
-# asked for the next batch (sooner when half the prefetch window is waiting).
+# asked for the next batch (sooner when three quarters of the prefetch window wait).
 ACK_DELAY = 0.005
 _END = object()
-_TICK: Any = object()  # wakes the request thread so it polls for a grouped acknowledgement
 
 
 def _is_int(value: Any) -> bool:
@@ -86,13 +85,23 @@ def _from_env(value: Any, name: str, default: Any, kind: type) -> Any:
 class _Stream:
     """One gRPC stream: acknowledgements going up, decoded batches coming down.
 
+    A reader thread takes each frame from gRPC as it arrives, decodes it and
+    queues the batch, so a trainer whose window is full finds its next batch
+    ready (``next()`` only dequeues). Reading on the trainer's own thread
+    instead saved a thread hand-off per batch when the trainer waits for
+    every batch (about 20 us of CPU), but put gRPC's receive round trip
+    inside ``next()`` (median 13 -> 127 us with a full window): measured in
+    docs/serving.md.
+
     Acknowledgements (each carrying the consumed batches' credit) are grouped
     when the trainer consumes faster than one batch per ``ACK_DELAY``: each
     upstream message wakes a thread on both sides, which costs more CPU than a
-    batch itself when nothing else runs. A group is sent when it holds half
-    the window, when ``ACK_DELAY`` has passed since the last message (checked
-    by the request thread, so an ack is never later than that), and at once
-    on ``flush`` (``state_dict``, ``close``).
+    batch itself when nothing else runs. A group is sent when it holds three
+    quarters of the window, when ``ACK_DELAY`` has passed since the last
+    message (the request thread waits for that moment after each message it
+    sends, so an ack is never later than that, and the trainer's thread wakes
+    no one for an ack it holds back), and at once on ``flush``
+    (``state_dict``, ``close``).
     """
 
     def __init__(
@@ -105,7 +114,9 @@ class _Stream:
         self.requests: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self.requests.put(open_request)
         self.convert = convert
-        self.group = max(1, depth // 2)
+        # three quarters of the window: fewer upstream messages than half (-15 us of CPU a
+        # batch on each side, measured), and the server keeps a quarter of its credits
+        self.group = max(1, depth * 3 // 4)
         self._lock = threading.Lock()
         self._through: tuple[int, int] | None = None
         self._credit = 0
@@ -134,10 +145,13 @@ class _Stream:
     def _request_iter(self) -> Iterator[pb.StreamRequest]:
         while True:
             with self._lock:
+                # ack() holds an acknowledgement back only within ACK_DELAY of the last one
+                # sent (later, it sends at once), so wait for a held one until it is due,
+                # and past that sleep until the next request: no wakeup per held ack
+                left = self._last_sent + ACK_DELAY - time.monotonic()
                 pending = self._through is not None
             try:
-                # poll only while an acknowledgement waits; otherwise sleep until a request
-                item = self.requests.get(timeout=ACK_DELAY if pending else None)
+                item = self.requests.get(timeout=max(0.0, left) if pending or left > 0 else None)
             except queue.Empty:
                 with self._lock:
                     due = time.monotonic() - self._last_sent >= ACK_DELAY
@@ -151,8 +165,6 @@ class _Stream:
                 if last is not None:
                     yield last
                 return
-            if item is _TICK:
-                continue
             yield item
 
     def ack(self, through: tuple[int, int]) -> None:
@@ -162,9 +174,7 @@ class _Stream:
             self._credit += 1
             now = time.monotonic()
             if self._credit < self.group and now - self._last_sent < ACK_DELAY:
-                if self._credit == 1:  # the request thread may be asleep: make it start polling
-                    self.requests.put(_TICK)
-                return
+                return  # the request thread sends it when it is due
             request = self._take_ack()
         if request is not None:
             self.requests.put(request)
@@ -538,16 +548,20 @@ class BatchClient:
     # --- arrays ---
 
     def _to_batch(self, d: codec.DecodedBatch) -> Batch:
-        mask = d.attention_mask(np.int8)
         arrays: dict[str, Any] = {
             "input_ids": d.input_ids,
             "loss_mask": d.loss_mask,
-            "attention_mask": mask,
             "lengths": d.lengths,
             "sample_ids": d.sample_ids,
         }
-        if self._device is not None:
-            arrays = _to_torch(arrays, self._device, self._pin)
+        device, pin = self._device, self._pin
+        if device is not None:
+            arrays = _to_torch(arrays, device, pin)
+
+        def mask() -> Any:  # made when the trainer first reads batch.attention_mask
+            array = d.attention_mask(np.int8)
+            return array if device is None else _to_torch({"mask": array}, device, pin)["mask"]
+
         return Batch(
             epoch=d.epoch,
             step=d.step,
@@ -555,6 +569,7 @@ class BatchClient:
             bucket=d.bucket,
             real_tokens=d.real_tokens,
             padded_tokens=d.padded_tokens,
+            _mask=mask,
             **arrays,
         )
 

@@ -75,6 +75,20 @@ def assert_matches(
     assert batch.sample_ids.tolist() == np.asarray(rows).tolist(), "sample_ids are not the rows"
 
 
+def assert_pieces_match(
+    asm: Assembler, ds: TokenDataset, rows: npt.ArrayLike, padded_len: int, pad_id: int = 0
+) -> None:
+    """``Assembler.pieces`` joined gives the reference arrays' little-endian bytes."""
+    ids, mask, lengths = reference(ds, rows, padded_len, pad_id)
+    pieces = asm.pieces(rows, padded_len, pad_id)
+    assert b"".join(pieces.input_ids) == ids.astype("<i4").tobytes(), "input_ids pieces differ"
+    assert b"".join(pieces.loss_mask) == mask.astype("<i1").tobytes(), "loss_mask pieces differ"
+    assert pieces.lengths.dtype == np.int32, "lengths is not int32"
+    assert pieces.lengths.tobytes() == lengths.tobytes(), "lengths differ from the reference"
+    assert pieces.sample_ids.tolist() == np.asarray(rows).tolist(), "sample_ids are not the rows"
+    assert pieces.num_tokens == int(lengths.sum()), "num_tokens is not the sum of lengths"
+
+
 def in_memory(table: pa.Table) -> TokenDataset:
     """A TokenDataset over an in-memory table, exactly as ``open_dataset`` would describe it."""
     parts = [
@@ -197,6 +211,7 @@ def test_matches_reference_on_synthetic_rows(synth: TokenDataset) -> None:
         rows = np.sort(rng.choice(synth.num_rows, size=int(rng.integers(1, 65)), replace=False))
         padded_len = int(synth.lengths[rows].max()) + int(rng.integers(0, 5))
         assert_matches(asm.assemble(rows, padded_len), synth, rows, padded_len)
+        assert_pieces_match(asm, synth, rows, padded_len)
 
 
 def test_matches_reference_across_shards(shards: TokenDataset) -> None:
@@ -209,6 +224,7 @@ def test_matches_reference_across_shards(shards: TokenDataset) -> None:
     for _ in range(30):
         rows = rng.integers(0, shards.num_rows, size=int(rng.integers(1, 40)))  # any order, repeats
         assert_matches(asm.assemble(rows, padded_len, pad_id=-1), shards, rows, padded_len, pad_id=-1)
+        assert_pieces_match(asm, shards, rows, padded_len, pad_id=-1)
 
 
 def test_serves_a_whole_schedule_epoch(synth: TokenDataset) -> None:
@@ -273,6 +289,7 @@ def test_other_integer_widths_are_converted(tmp_path: Path, token_type: str, mas
     asm = Assembler(ds)
     picks = np.array([0, 5, 29, 30, 31, 59])
     assert_matches(asm.assemble(picks, 40, pad_id=3), ds, picks, 40, pad_id=3)
+    assert_pieces_match(asm, ds, picks, 40, pad_id=3)
 
 
 def test_inferred_types_match(tmp_path: Path) -> None:
@@ -341,6 +358,7 @@ def test_property_matches_reference(
     ds = in_memory(table)
     picks = rng.integers(0, num_rows, size=int(rng.integers(0, 40)))
     assert_matches(Assembler(ds).assemble(picks, padded_len, pad_id), ds, picks, padded_len, pad_id)
+    assert_pieces_match(Assembler(ds), ds, picks, padded_len, pad_id)
 
 
 def test_empty_row_set(synth: TokenDataset) -> None:

@@ -136,6 +136,47 @@ def test_encode_decode_round_trip(
     assert len(frame) <= codec.max_frame_bytes(rows * padded_len, rows), "frame beyond max_frame_bytes"
 
 
+@given(rows=st.integers(1, 40), padded_len=st.integers(1, 300), seed=st.integers(0, 2**32 - 1))
+def test_encode_batch_pieces_is_encode_batch(rows: int, padded_len: int, seed: int) -> None:
+    frame, sent = make_frame(rows=rows, padded_len=padded_len, seed=seed)
+    ids, mask = sent["input_ids"], sent["loss_mask"]
+    rng = np.random.default_rng(seed)
+    cuts = np.sort(rng.integers(0, rows * padded_len + 1, size=3))  # pieces need not follow rows
+    pieces = codec.encode_batch_pieces(
+        epoch=2,
+        step=11,
+        rank=3,
+        bucket=4,
+        schedule_fingerprint="0123456789abcdef",
+        padded_len=padded_len,
+        input_ids=[memoryview(p.tobytes()) for p in np.split(ids.reshape(-1), cuts)],
+        loss_mask=[mask.tobytes()],
+        lengths=sent["lengths"],
+        sample_ids=sent["sample_ids"],
+    )
+    assert pieces == frame, "encode_batch_pieces and encode_batch disagree"
+
+
+def test_encode_batch_pieces_refuses_pieces_of_the_wrong_size() -> None:
+    _, sent = make_frame(rows=3, padded_len=5)
+    header: dict[str, Any] = {"epoch": 0, "step": 0, "rank": 0, "bucket": 0, "schedule_fingerprint": ""}
+    ids, mask = sent["input_ids"].tobytes(), sent["loss_mask"].tobytes()
+    lengths, samples = sent["lengths"], sent["sample_ids"]
+    with pytest.raises(WireFormatError, match="pieces hold 74 bytes"):
+        codec.encode_batch_pieces(
+            **header,
+            padded_len=5,
+            input_ids=[ids[:-1]],
+            loss_mask=[mask],
+            lengths=lengths,
+            sample_ids=samples,
+        )
+    with pytest.raises(WireFormatError, match=r"lengths must lie in \[1, padded_len=4\]"):
+        codec.encode_batch_pieces(
+            **header, padded_len=4, input_ids=[ids], loss_mask=[mask], lengths=lengths, sample_ids=samples
+        )
+
+
 def test_decode_is_zero_copy_and_read_only() -> None:
     frame, _ = make_frame(rows=64, padded_len=768)
     got = codec.decode_batch(frame)
