@@ -17,7 +17,11 @@ docs/ladder.png measured:
 
 Without ``--dataset`` it tokenizes the Python standard library's own sources
 (``--text``, split into functions, BPE trained here) into ``OUT/dataset``
-once. Needs torch and matplotlib (``pip install -e '.[examples]'``).
+once. ``--mix copyright`` adds a second source, the Debian copyright files
+(``/usr/share/doc/*/copyright``, or ``--mix-docs``) cut into 256-token
+pieces, tokenizes the code into paragraphs with one tokenizer for both, and
+shuffles the rows once (see ``mix_dataset``). Needs torch and matplotlib
+(``pip install -e '.[examples]'``).
 """
 
 from __future__ import annotations
@@ -522,6 +526,113 @@ def text_dataset(args: argparse.Namespace) -> Path:
     return out
 
 
+def copyright_files() -> list[str]:
+    """The Debian copyright files on this machine (``/usr/share/doc/*/copyright``), sorted."""
+    found: dict[str, str] = {}  # each file once: some /usr/share/doc/NAME are links to another package's
+    for path in sorted(Path("/usr/share/doc").glob("*/copyright")):
+        if path.is_file():
+            found.setdefault(os.path.realpath(path), str(path))
+    return sorted(found.values())
+
+
+def mix_dataset(args: argparse.Namespace) -> Path:
+    """``OUT/dataset``: ``--text`` split into paragraphs, plus ``--mix-docs`` cut into ``--piece``-token rows.
+
+    Both sources share one BPE tokenizer trained on all their text. The
+    documents (whole files) are tokenized and cut into consecutive pieces of
+    ``--piece`` tokens (the last piece of a document keeps what is left).
+    Then the rows of both are shuffled once with ``--shuffle-seed`` (-1: keep
+    file order), as a pretraining set is shuffled row-wise before training,
+    and saved with ``datasets.Dataset.save_to_disk``.
+    """
+    from ladle.service.text import MANIFEST, TOKENIZER_FILE, BpeTokenizer, read_text, split_text
+
+    out = Path(args.out, "dataset")
+    docs = [str(p) for p in args.mix_docs] if args.mix_docs else copyright_files()
+    wanted = {
+        "sources": [str(p) for p in args.text],
+        "include": args.include,
+        "exclude": args.exclude,
+        "split": "paragraphs",
+        "mix": args.mix,
+        "mix_docs": len(docs),
+        "piece": args.piece,
+        "shuffle_seed": args.shuffle_seed,
+    }
+    if (out / MANIFEST).exists():
+        manifest = json.loads((out / MANIFEST).read_text())
+        made = {key: manifest.get(key) for key in wanted}
+        if made != wanted or manifest["tokenizer"]["vocab_size"] > args.vocab_size:
+            raise SystemExit(f"{out} was made from {made}; remove it to make it from {wanted}")
+        print(f"dataset {out}: {manifest['rows']} rows, {manifest['tokens']:,} tokens (made before)")
+        return out
+    if not docs:
+        raise SystemExit("--mix copyright: no /usr/share/doc/*/copyright files; name some with --mix-docs")
+    import datasets
+
+    from ladle.service.errors import TextSourceError
+    from ladle.service.text import _files
+
+    began = time.perf_counter()
+    code: list[str] = []
+    for path, _ in _files(args.text, args.include, args.exclude):
+        try:
+            code += split_text(read_text(path), "paragraphs")
+        except TextSourceError:  # unreadable, binary or empty: skipped
+            continue
+    texts: list[str] = []
+    for path in docs:
+        try:
+            texts.append(read_text(path))
+        except TextSourceError:
+            continue
+    tokenizer = BpeTokenizer.train(code + texts, args.vocab_size)
+    rows = [ids for ids in tokenizer.encode_batch(code) if len(ids)]
+    pieces = 0
+    for ids in tokenizer.encode_batch(texts):
+        for at in range(0, len(ids), args.piece):
+            rows.append(ids[at : at + args.piece])
+            pieces += 1
+    source = np.array([0] * (len(rows) - pieces) + [1] * pieces, dtype=np.int8)
+    order = np.arange(len(rows))
+    if args.shuffle_seed >= 0:
+        order = np.random.default_rng(args.shuffle_seed).permutation(len(rows))
+    rows = [rows[i] for i in order]
+    features = datasets.Features(
+        {
+            "input_ids": datasets.Sequence(datasets.Value("int32")),
+            "loss_mask": datasets.Sequence(datasets.Value("int8")),
+            "seq_len": datasets.Value("int32"),
+            "source": datasets.Value("int8"),
+        }
+    )
+    table = datasets.Dataset.from_dict(
+        {
+            "input_ids": [r.tolist() for r in rows],
+            "loss_mask": [[1] * len(r) for r in rows],
+            "seq_len": [len(r) for r in rows],
+            "source": source[order].tolist(),
+        },
+        features=features,
+    )
+    table.save_to_disk(str(out))
+    tokens = int(sum(len(r) for r in rows))
+    manifest = {
+        **wanted,
+        "tokenizer": {"kind": "bpe", "vocab_size": tokenizer.vocab_size, "file": TOKENIZER_FILE},
+        "rows": len(rows),
+        "pieces": pieces,
+        "tokens": tokens,
+    }
+    (out / TOKENIZER_FILE).write_text(tokenizer.to_json())
+    (out / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+    print(
+        f"dataset {out}: {len(rows)} rows ({len(rows) - pieces} paragraphs of code, {pieces} pieces of "
+        f"{len(texts)} documents), {tokens:,} tokens in {time.perf_counter() - began:.0f}s"
+    )
+    return out
+
+
 def vocab_of(dataset: Path) -> int:
     from ladle.service.dataset import open_dataset
     from ladle.service.text import MANIFEST
@@ -547,6 +658,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     data.add_argument("--exclude", action="append", help="names to skip (default site-packages)")
     data.add_argument("--split", default="functions", choices=["documents", "functions", "paragraphs"])
     data.add_argument("--vocab-size", type=int, default=2048, help="BPE vocabulary")
+    data.add_argument(
+        "--mix", default="none", choices=["none", "copyright"], help="add documents cut into --piece rows"
+    )
+    data.add_argument("--mix-docs", nargs="+", help="the documents (default /usr/share/doc/*/copyright)")
+    data.add_argument("--piece", type=int, default=256, help="tokens per piece of a --mix document")
+    data.add_argument("--shuffle-seed", type=int, default=0, help="with --mix: shuffle rows (-1: file order)")
     run = p.add_argument_group("runs")
     run.add_argument("--interleave", nargs="+", choices=MODES, default=list(MODES))
     run.add_argument("--server", help="use this running server (its own schedule config) instead")
@@ -581,7 +698,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     args = p.parse_args(argv)
     args.include = args.include or ["*.py"]
-    args.exclude = args.exclude or ["site-packages"]
+    args.exclude = args.exclude or (["site-packages", "test"] if args.mix != "none" else ["site-packages"])
     if args.server and len(args.interleave) != 1:
         p.error("with --server, name the one --interleave mode that server was started with")
     return args
@@ -590,7 +707,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
-    dataset = args.dataset or text_dataset(args)
+    dataset = args.dataset or (mix_dataset(args) if args.mix != "none" else text_dataset(args))
     vocab = vocab_of(dataset)
     runs = []
     for mode in args.interleave:

@@ -96,3 +96,35 @@ def test_figure_and_summary(run: Path) -> None:
         assert figures["windowed_std"] >= 0
     output = (run / "stdout.txt").read_text()
     assert "std of windowed loss" in output
+
+
+def test_mix_dataset_cuts_and_shuffles(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--mix copyright`` with named documents: one tokenizer, ``--piece``-token pieces, shuffled rows."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("train_ddp", EXAMPLE)
+    assert spec is not None
+    assert spec.loader is not None
+    example = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "train_ddp", example)  # its dataclasses look themselves up there
+    spec.loader.exec_module(example)
+    docs = [str(EXAMPLE.parents[1] / "README.md"), str(EXAMPLE.parents[1] / "docs" / "training.md")]
+    args = example.parse_args(
+        [
+            "--out", str(tmp_path), "--mix", "copyright", "--mix-docs", *docs, "--piece", "64",
+            "--text", str(STDLIB / "json"), "--vocab-size", "512",
+        ]
+    )  # fmt: skip
+    ds = open_dataset(example.mix_dataset(args))
+    source = np.array(ds.table.column("source").to_numpy())
+    pieces = ds.lengths[source == 1]
+    assert len(pieces) > 10
+    assert pieces.max() == 64
+    assert (pieces == 64).sum() >= len(pieces) - len(docs), "only a document's last piece is shorter"
+    assert (source == 0).sum() > 10, "the code paragraphs are there too"
+    first_piece = int(np.flatnonzero(source == 1)[0])
+    assert first_piece < len(source) - len(pieces), "the rows are shuffled, not in source order"
+    manifest = json.loads((tmp_path / "dataset" / "text.json").read_text())
+    assert manifest["rows"] == ds.num_rows
+    assert manifest["mix_docs"] == len(docs)
+    assert example.mix_dataset(args) == tmp_path / "dataset", "made once, then reused"
