@@ -80,10 +80,10 @@ def fetch_report(
     """
     base = server_url(server)
 
-    def fetch(path: str, **params: Any) -> Any:
-        return _fetch(base, path, token=token, cafile=cafile, **params)
+    def get(path: str, **params: Any) -> Any:
+        return fetch(base, path, token=token, cafile=cafile, **params)
 
-    listing = fetch("/v1/jobs")
+    listing = get("/v1/jobs")
     doc: dict[str, Any] = {
         "server": base,
         "dataset": listing["dataset"],
@@ -96,12 +96,9 @@ def fetch_report(
             return doc
         job = max(served, key=lambda j: (j["updated"], j["job"]))["job"]
     path = "/v1/jobs/" + urllib.parse.quote(job, safe="")
-    doc["job"] = fetch(path)
-    doc["buckets"] = fetch(path + "/buckets", epoch=epoch)
-    doc["quality"] = fetch(path + "/quality", epoch=epoch)
-    doc["random"] = fetch(path + "/quality", epoch=epoch, interleave="random")
-    doc["cursor"] = fetch(path + "/cursor")
+    doc["job"] = get(path)
+    doc["buckets"] = get(path + "/buckets", epoch=epoch)
+    doc["quality"] = get(path + "/quality", epoch=epoch)
+    doc["random"] = get(path + "/quality", epoch=epoch, interleave="random")
+    doc["cursor"] = get(path + "/cursor")
     return doc
-
-
-_fetch = fetch
