@@ -20,7 +20,7 @@ Without ``--dataset`` it tokenizes the Python standard library's own sources
 once. ``--mix copyright`` adds a second source, the Debian copyright files
 (``/usr/share/doc/*/copyright``, or ``--mix-docs``) cut into 256-token
 pieces, tokenizes the code into paragraphs with one tokenizer for both, and
-shuffles the rows once (see ``mix_dataset``). Needs torch and matplotlib
+shuffles the rows once (see ``mix_dataset``; ``--cut code`` swaps the roles). Needs torch and matplotlib
 (``pip install -e '.[examples]'``).
 """
 
@@ -541,6 +541,8 @@ def mix_dataset(args: argparse.Namespace) -> Path:
     Both sources share one BPE tokenizer trained on all their text. The
     documents (whole files) are tokenized and cut into consecutive pieces of
     ``--piece`` tokens (the last piece of a document keeps what is left).
+    ``--cut code`` swaps the roles: the code files are cut into pieces and
+    the documents split into paragraphs.
     Then the rows of both are shuffled once with ``--shuffle-seed`` (-1: keep
     file order), as a pretraining set is shuffled row-wise before training,
     and saved with ``datasets.Dataset.save_to_disk``.
@@ -557,6 +559,7 @@ def mix_dataset(args: argparse.Namespace) -> Path:
         "mix": args.mix,
         "mix_docs": len(docs),
         "piece": args.piece,
+        "cut": args.cut,
         "shuffle_seed": args.shuffle_seed,
     }
     if (out / MANIFEST).exists():
@@ -574,26 +577,30 @@ def mix_dataset(args: argparse.Namespace) -> Path:
     from ladle.service.text import _files
 
     began = time.perf_counter()
-    code: list[str] = []
-    for path, _ in _files(args.text, args.include, args.exclude):
-        try:
-            code += split_text(read_text(path), "paragraphs")
-        except TextSourceError:  # unreadable, binary or empty: skipped
-            continue
-    texts: list[str] = []
-    for path in docs:
-        try:
-            texts.append(read_text(path))
-        except TextSourceError:
-            continue
-    tokenizer = BpeTokenizer.train(code + texts, args.vocab_size)
-    rows = [ids for ids in tokenizer.encode_batch(code) if len(ids)]
+
+    def read_all(paths: list[str]) -> list[str]:
+        texts: list[str] = []
+        for path in paths:
+            try:
+                texts.append(read_text(path))
+            except TextSourceError:  # unreadable, binary or empty: skipped
+                continue
+        return texts
+
+    code = read_all([path for path, _ in _files(args.text, args.include, args.exclude)])
+    texts = read_all(docs)
+    split, whole = (code, texts) if args.cut == "docs" else (texts, code)
+    paragraphs = [p for text in split for p in split_text(text, "paragraphs")]
+    tokenizer = BpeTokenizer.train(paragraphs + whole, args.vocab_size)
+    rows = [ids for ids in tokenizer.encode_batch(paragraphs) if len(ids)]
     pieces = 0
-    for ids in tokenizer.encode_batch(texts):
+    for ids in tokenizer.encode_batch(whole):
         for at in range(0, len(ids), args.piece):
             rows.append(ids[at : at + args.piece])
             pieces += 1
-    source = np.array([0] * (len(rows) - pieces) + [1] * pieces, dtype=np.int8)
+    # source 0: the code, 1: the documents
+    code_source = 0 if args.cut == "docs" else 1
+    source = np.array([code_source] * (len(rows) - pieces) + [1 - code_source] * pieces, dtype=np.int8)
     order = np.arange(len(rows))
     if args.shuffle_seed >= 0:
         order = np.random.default_rng(args.shuffle_seed).permutation(len(rows))
@@ -627,8 +634,9 @@ def mix_dataset(args: argparse.Namespace) -> Path:
     (out / TOKENIZER_FILE).write_text(tokenizer.to_json())
     (out / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
     print(
-        f"dataset {out}: {len(rows)} rows ({len(rows) - pieces} paragraphs of code, {pieces} pieces of "
-        f"{len(texts)} documents), {tokens:,} tokens in {time.perf_counter() - began:.0f}s"
+        f"dataset {out}: {len(rows)} rows ({len(rows) - pieces} paragraphs of {len(split)} files, "
+        f"{pieces} pieces of {len(whole)} files; --cut {args.cut}), {tokens:,} tokens in "
+        f"{time.perf_counter() - began:.0f}s"
     )
     return out
 
@@ -663,6 +671,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     data.add_argument("--mix-docs", nargs="+", help="the documents (default /usr/share/doc/*/copyright)")
     data.add_argument("--piece", type=int, default=256, help="tokens per piece of a --mix document")
+    data.add_argument(
+        "--cut",
+        default="docs",
+        choices=["docs", "code"],
+        help="with --mix: which source is cut into --piece rows (the other is split into paragraphs)",
+    )
     data.add_argument("--shuffle-seed", type=int, default=0, help="with --mix: shuffle rows (-1: file order)")
     run = p.add_argument_group("runs")
     run.add_argument("--interleave", nargs="+", choices=MODES, default=list(MODES))

@@ -98,8 +98,12 @@ def test_figure_and_summary(run: Path) -> None:
     assert "std of windowed loss" in output
 
 
-def test_mix_dataset_cuts_and_shuffles(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """``--mix copyright`` with named documents: one tokenizer, ``--piece``-token pieces, shuffled rows."""
+@pytest.mark.parametrize("cut", ["docs", "code"])
+def test_mix_dataset_cuts_and_shuffles(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cut: str) -> None:
+    """``--mix copyright`` with named documents: one tokenizer, ``--piece``-token pieces, shuffled rows.
+
+    ``--cut`` names the source cut into pieces (source 1: the documents, 0: the code).
+    """
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("train_ddp", EXAMPLE)
@@ -112,17 +116,19 @@ def test_mix_dataset_cuts_and_shuffles(tmp_path: Path, monkeypatch: pytest.Monke
     args = example.parse_args(
         [
             "--out", str(tmp_path), "--mix", "copyright", "--mix-docs", *docs, "--piece", "64",
-            "--text", str(STDLIB / "json"), "--vocab-size", "512",
+            "--text", str(STDLIB / "json"), "--vocab-size", "512", "--cut", cut,
         ]
     )  # fmt: skip
     ds = open_dataset(example.mix_dataset(args))
     source = np.array(ds.table.column("source").to_numpy())
-    pieces = ds.lengths[source == 1]
+    code_files = len(list((STDLIB / "json").glob("*.py")))
+    cut_source, cut_files = (1, len(docs)) if cut == "docs" else (0, code_files)
+    pieces = ds.lengths[source == cut_source]
     assert len(pieces) > 10
     assert pieces.max() == 64
-    assert (pieces == 64).sum() >= len(pieces) - len(docs), "only a document's last piece is shorter"
-    assert (source == 0).sum() > 10, "the code paragraphs are there too"
-    first_piece = int(np.flatnonzero(source == 1)[0])
+    assert (pieces == 64).sum() >= len(pieces) - cut_files, "only a file's last piece is shorter"
+    assert (source != cut_source).sum() > 10, "the other source's paragraphs are there too"
+    first_piece = int(np.flatnonzero(source == cut_source)[0])
     assert first_piece < len(source) - len(pieces), "the rows are shuffled, not in source order"
     manifest = json.loads((tmp_path / "dataset" / "text.json").read_text())
     assert manifest["rows"] == ds.num_rows
