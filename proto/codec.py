@@ -17,7 +17,7 @@ import itertools
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Final
+from typing import Final, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
@@ -34,7 +34,9 @@ __all__ = [
     "DecodedBatch",
     "DecodedEpochEnd",
     "DecodedStreamStart",
+    "FrameParts",
     "WireFormatError",
+    "batch_frame_parts",
     "decode_batch",
     "decode_frame",
     "encode_batch",
@@ -230,6 +232,62 @@ def encode_batch_pieces(
     ``encode_batch``, and pieces whose total size is not rows x padded_len
     items raise WireFormatError; what the pieces hold is the caller's.
     """
+    parts = batch_frame_parts(
+        epoch=epoch,
+        step=step,
+        rank=rank,
+        bucket=bucket,
+        schedule_fingerprint=schedule_fingerprint,
+        padded_len=padded_len,
+        lengths=lengths,
+        sample_ids=sample_ids,
+    )
+    head, gap = parts.head, parts.gap
+    frame = b"".join([head, *input_ids, gap, parts.sample_ids, parts.lengths, *loss_mask])
+    tokens = parts.rows * parts.padded_len
+    given = len(frame) - (len(head) + len(gap) + 12 * parts.rows)
+    if given != 5 * tokens:
+        raise WireFormatError(
+            f"the input_ids and loss_mask pieces hold {given} bytes, rows x padded_len = {tokens} "
+            f"tokens need {5 * tokens}"
+        )
+    return frame
+
+
+class FrameParts(NamedTuple):
+    """A batch frame's bytes other than ``input_ids`` and ``loss_mask`` (``batch_frame_parts``).
+
+    The frame is ``head``, the int32 ``input_ids``, ``gap``, ``sample_ids``,
+    ``lengths``, then the int8 ``loss_mask``.
+    """
+
+    head: bytes
+    gap: bytes
+    sample_ids: memoryview
+    lengths: memoryview
+    rows: int
+    padded_len: int
+    real_tokens: int
+
+
+def batch_frame_parts(
+    *,
+    epoch: int,
+    step: int,
+    rank: int,
+    bucket: int,
+    schedule_fingerprint: str,
+    padded_len: int,
+    lengths: npt.ArrayLike,
+    sample_ids: npt.ArrayLike,
+) -> FrameParts:
+    """Everything of a batch frame but its token and mask bytes, checked as ``encode_batch`` checks.
+
+    For a caller that writes ``input_ids`` and ``loss_mask`` between these
+    parts itself (``encode_batch_pieces``, the server's compiled gather).
+    Raises WireFormatError for fields, ``lengths`` or ``sample_ids`` that
+    would not make a valid frame.
+    """
     rows = len(_wire_array("lengths", lengths, 1))
     _check_int("padded_len", padded_len, _U32)
     padded_len = int(padded_len)
@@ -237,15 +295,7 @@ def encode_batch_pieces(
         raise WireFormatError(f"a batch needs at least one row and one column, got ({rows}, {padded_len})")
     lens, samples, real_tokens = _check_rows(lengths, sample_ids, rows, padded_len)
     head, gap = _batch_head(epoch, step, rank, bucket, schedule_fingerprint, rows, padded_len, real_tokens)
-    frame = b"".join([head, *input_ids, gap, _raw(samples), _raw(lens), *loss_mask])
-    tokens = rows * padded_len
-    given = len(frame) - (len(head) + len(gap) + 12 * rows)
-    if given != 5 * tokens:
-        raise WireFormatError(
-            f"the input_ids and loss_mask pieces hold {given} bytes, rows x padded_len = {tokens} "
-            f"tokens need {5 * tokens}"
-        )
-    return frame
+    return FrameParts(head, gap, _raw(samples), _raw(lens), rows, padded_len, real_tokens)
 
 
 def _check_rows(

@@ -518,21 +518,18 @@ class BatchServicer:
             began = time.perf_counter()
             ref = job.batch(position, session.rank)
             # the rows' bytes go from the mapped dataset straight into the frame: one copy
-            pieces = self.assembler.pieces(ref.rows, ref.padded_len)
-            frame = codec.encode_batch_pieces(
+            batch = self.assembler.frame(
+                ref.rows,
+                ref.padded_len,
                 epoch=position.epoch,
                 step=position.step,
                 rank=session.rank,
                 bucket=ref.bucket,
                 schedule_fingerprint=job.fingerprint,
-                padded_len=ref.padded_len,
-                input_ids=pieces.input_ids,
-                loss_mask=pieces.loss_mask,
-                lengths=pieces.lengths,
-                sample_ids=pieces.sample_ids,
             )
+            frame = batch.data
             meter.batch(
-                pieces.num_tokens, len(ref.rows) * ref.padded_len, len(frame), time.perf_counter() - began
+                batch.real_tokens, batch.rows * ref.padded_len, len(frame), time.perf_counter() - began
             )
             nxt = ref.next
             session.sent = nxt

@@ -20,6 +20,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from ladle.proto import codec
+from ladle.service import assemble
 from ladle.service.assemble import Assembler, BatchBuffers, Prefetcher
 from ladle.service.dataset import TokenDataset, open_dataset
 from ladle.service.errors import DatasetError
@@ -87,6 +89,29 @@ def assert_pieces_match(
     assert pieces.lengths.tobytes() == lengths.tobytes(), "lengths differ from the reference"
     assert pieces.sample_ids.tolist() == np.asarray(rows).tolist(), "sample_ids are not the rows"
     assert pieces.num_tokens == int(lengths.sum()), "num_tokens is not the sum of lengths"
+    if len(pieces.lengths):
+        assert_frame_matches(asm, rows, padded_len, pad_id)
+
+
+FIELDS: dict[str, Any] = {"epoch": 3, "step": 70000, "rank": 1, "bucket": 2, "schedule_fingerprint": "0f" * 8}
+
+
+def assert_frame_matches(asm: Assembler, rows: npt.ArrayLike, padded_len: int, pad_id: int = 0) -> None:
+    """``Assembler.frame`` (compiled where built) is byte for byte the pieces joined by the codec."""
+    pieces = asm.pieces(rows, padded_len, pad_id)
+    joined = codec.encode_batch_pieces(
+        padded_len=padded_len,
+        input_ids=pieces.input_ids,
+        loss_mask=pieces.loss_mask,
+        lengths=pieces.lengths,
+        sample_ids=pieces.sample_ids,
+        **FIELDS,
+    )
+    framed = asm.frame(rows, padded_len, pad_id=pad_id, **FIELDS)
+    assert type(framed.data) is bytes, "the frame is not bytes"
+    assert framed.data == joined, "the frame differs from the joined pieces"
+    assert framed.real_tokens == pieces.num_tokens, "real_tokens is not the pieces' token count"
+    assert framed.rows == len(pieces.lengths), "rows is not the row count"
 
 
 def in_memory(table: pa.Table) -> TokenDataset:
@@ -359,6 +384,87 @@ def test_property_matches_reference(
     picks = rng.integers(0, num_rows, size=int(rng.integers(0, 40)))
     assert_matches(Assembler(ds).assemble(picks, padded_len, pad_id), ds, picks, padded_len, pad_id)
     assert_pieces_match(Assembler(ds), ds, picks, padded_len, pad_id)
+
+
+def test_the_compiled_frame_is_built_here() -> None:
+    """The development and CI machines have a C compiler: the fast path is the one tested."""
+    assert assemble._frame_c is not None, "service/_frame.c was not built (pip install -e . with gcc)"
+
+
+def test_frame_without_the_extension(synth: TokenDataset, monkeypatch: pytest.MonkeyPatch) -> None:
+    rows = np.array([5, 1, 3999, 7, 7])
+    padded_len = int(synth.lengths[rows].max()) + 3
+    compiled = Assembler(synth).frame(rows, padded_len, pad_id=-7, **FIELDS)
+    monkeypatch.setattr(assemble, "_frame_c", None)
+    assert Assembler(synth).frame(rows, padded_len, pad_id=-7, **FIELDS) == compiled
+    decoded = codec.decode_batch(compiled.data)
+    ids, mask, lengths = reference(synth, rows, padded_len, -7)
+    assert decoded.input_ids.tobytes() == ids.tobytes()
+    assert decoded.loss_mask.tobytes() == mask.tobytes()
+    assert decoded.lengths.tolist() == lengths.tolist()
+    assert decoded.sample_ids.tolist() == rows.tolist()
+    assert (decoded.epoch, decoded.step, decoded.rank, decoded.bucket) == (3, 70000, 1, 2)
+
+
+def test_frame_refuses_what_the_codec_refuses(synth: TokenDataset) -> None:
+    asm = Assembler(synth)
+    with pytest.raises(ValueError, match="outside the dataset"):
+        asm.frame([synth.num_rows], 8, **FIELDS)
+    with pytest.raises(codec.WireFormatError):
+        asm.frame(np.zeros(0, dtype=np.int64), 8, **FIELDS)
+    with pytest.raises(codec.WireFormatError):
+        asm.frame([1, 2], 8, **{**FIELDS, "rank": -1})
+
+
+@pytest.mark.skipif(assemble._frame_c is None, reason="the compiled frame is not built")
+def test_the_compiled_frame_checks_every_slice(synth: TokenDataset) -> None:
+    """Slices outside their chunk are refused before any byte is copied, never read out of bounds."""
+    asm = Assembler(synth)
+    c = assemble._frame_c
+    rows = np.array([0, 1], dtype=np.int64)
+    cut, ids_chunk, mask_chunk, ids_at, mask_at = asm._where(rows, 8)
+    parts = codec.batch_frame_parts(padded_len=8, lengths=cut.astype(np.int32), sample_ids=rows, **FIELDS)
+
+    def call(**change: Any) -> bytes:
+        args = {
+            "ids_chunk": ids_chunk, "mask_chunk": mask_chunk, "ids_at": ids_at, "mask_at": mask_at,
+            "cut": cut, "width": 8,
+        }  # fmt: skip
+        args.update(change)
+        return bytes(
+            c.frame(
+                parts.head,
+                parts.gap,
+                parts.sample_ids,
+                parts.lengths,
+                asm._ids_bytes,
+                asm._mask_bytes,
+                args["ids_chunk"],
+                args["mask_chunk"],
+                args["ids_at"],
+                args["mask_at"],
+                args["cut"],
+                args["width"],
+                0,
+            )
+        )
+
+    assert call() == asm.frame(rows, 8, **FIELDS).data
+    end = len(asm._ids_bytes[0]) // 4
+    for change in (
+        {"ids_at": np.array([0, end], dtype=np.int64)},
+        {"ids_at": np.array([0, 2**62], dtype=np.int64)},
+        {"mask_at": np.array([-1, 0], dtype=np.int64)},
+        {"ids_chunk": np.array([0, len(asm._ids_bytes)], dtype=np.int64)},
+        {"mask_chunk": np.array([-1, 0], dtype=np.int64)},
+        {"cut": np.array([9, 1], dtype=np.int64)},
+    ):
+        with pytest.raises(ValueError, match="outside its data chunk"):
+            call(**change)
+    with pytest.raises(ValueError, match="do not agree"):
+        call(cut=np.array([1], dtype=np.int64))
+    with pytest.raises(ValueError, match="do not agree"):
+        call(width=0)
 
 
 def test_empty_row_set(synth: TokenDataset) -> None:
