@@ -77,8 +77,14 @@ class Limits:
                 raise ConfigError(name, f"must be > 0 seconds, got {getattr(self, name)}")
         if not self.idle_timeout_s >= 0:
             raise ConfigError("idle_timeout_s", f"must be >= 0 seconds (0: never), got {self.idle_timeout_s}")
+        if self.max_sessions_per_job is not None and self.max_sessions_per_job > self.max_sessions:
+            raise ConfigError(
+                "max_sessions_per_job",
+                f"must be at most max_sessions ({self.max_sessions}), got {self.max_sessions_per_job}: "
+                "raise --max-sessions too",
+            )
         per_job = self.max_sessions_per_job or max(1, self.max_sessions // 2)
-        object.__setattr__(self, "per_job", min(per_job, self.max_sessions))
+        object.__setattr__(self, "per_job", per_job)
         object.__setattr__(self, "connections", self.max_connections or connection_cap())
 
     @property

@@ -129,7 +129,9 @@ def test_one_job_cannot_take_every_session(serve: Serve) -> None:
 def test_the_default_per_job_limit_is_half_the_server() -> None:
     assert Limits(max_sessions=256).per_job == 128
     assert Limits(max_sessions=1).per_job == 1
-    assert Limits(max_sessions=10, max_sessions_per_job=50).per_job == 10
+    assert Limits(max_sessions=10, max_sessions_per_job=10).per_job == 10
+    with pytest.raises(ConfigError, match=r"max_sessions_per_job.*at most max_sessions \(10\), got 50"):
+        Limits(max_sessions=10, max_sessions_per_job=50)
 
 
 def test_a_full_server_still_answers_describe_and_health(serve: Serve) -> None:
