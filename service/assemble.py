@@ -351,10 +351,7 @@ class Assembler:
         and ``DatasetChangedError`` (logged once) when a data file changed on
         disk since the dataset was opened: no token page is read then.
         """
-        row_ids = self._check_rows(rows)
-        width = _check_int("padded_len", padded_len, 1, None)
-        pad = _check_int("pad_id", pad_id, _INT32_MIN, _INT32_MAX)
-        self._check_files()
+        row_ids, width, pad = self._checked(rows, padded_len, pad_id)
         count = len(row_ids)
         tokens = count * width
         if out is None:
@@ -383,10 +380,7 @@ class Assembler:
         by row, a copy each. The views stay valid as long as the dataset.
         Raises as ``assemble``.
         """
-        row_ids = self._check_rows(rows)
-        width = _check_int("padded_len", padded_len, 1, None)
-        pad = _check_int("pad_id", pad_id, _INT32_MIN, _INT32_MAX)
-        self._check_files()
+        row_ids, width, pad = self._checked(rows, padded_len, pad_id)
         cut, plan = self._plan(row_ids, width)
         ids: list[memoryview] = []
         mask: list[memoryview] = []
@@ -449,10 +443,7 @@ class Assembler:
                 sample_ids=pieces.sample_ids,
             )
             return BatchFrame(data, pieces.num_tokens, len(pieces.lengths))
-        row_ids = self._check_rows(rows)
-        width = _check_int("padded_len", padded_len, 1, None)
-        pad = _check_int("pad_id", pad_id, _INT32_MIN, _INT32_MAX)
-        self._check_files()
+        row_ids, width, pad = self._checked(rows, padded_len, pad_id)
         cut, ids_chunk, mask_chunk, ids_at, mask_at = self._where(row_ids, width)
         parts = codec.batch_frame_parts(
             **fields,
@@ -476,6 +467,14 @@ class Assembler:
             pad,
         )
         return BatchFrame(data, parts.real_tokens, parts.rows)
+
+    def _checked(self, rows: npt.ArrayLike, padded_len: int, pad_id: int) -> tuple[I64, int, int]:
+        """The arguments of a batch, checked (and the data files unchanged): row ids, width, pad id."""
+        row_ids = self._check_rows(rows)
+        width = _check_int("padded_len", padded_len, 1, None)
+        pad = _check_int("pad_id", pad_id, _INT32_MIN, _INT32_MAX)
+        self._check_files()
+        return row_ids, width, pad
 
     def _check_files(self) -> None:
         """``DatasetChangedError`` (logged once) if a data file changed on disk since it was opened."""
