@@ -8,10 +8,14 @@ Every figure is printed beside a baseline measured in the same run, on
    grpcio server streaming pre-built raw ``bytes`` of exactly the sizes of
    the frames ladle sent, the same number, to 2 client processes (identity
    serializers, no ladle logic), and a raw TCP socket moving the same bytes
-   (2 readers, and 1 reader for all of them): the physical limit. The ratio
-   ladle / bare gRPC is paired per repeat (runs seconds apart) and its median
-   reported, as in ``bench_wire``. CPU per batch (server process, and the
-   clients' processes, all threads) says where the cores went.
+   (2 readers, and 1 reader for all of them): the physical limit. Beside
+   them, the same frames in ladle's call shape with no ladle logic (a
+   grpc.aio server, a bidirectional stream with credits returned at three
+   quarters of the window, a client reader thread): it splits the gap to the
+   bare stream into what the call shape costs and what ladle's own work per
+   batch costs. The ratios are paired per repeat (runs seconds apart) and
+   their medians reported, as in ``bench_wire``. CPU per batch (server
+   process, and the clients' processes, all threads) says where the cores went.
 2. delivered to a training loop: one rank of world size 1 takes batches as
    torch tensors from ``BatchClient(device="cpu")``, beside a local
    ``DataLoader(num_workers=2, batch_size=None)`` over a map-style dataset
@@ -48,7 +52,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from concurrent import futures
-from contextlib import suppress
+from contextlib import contextmanager, suppress
 from multiprocessing.process import BaseProcess
 from multiprocessing.synchronize import Event
 from pathlib import Path
@@ -215,6 +219,67 @@ def _bare_server(sizes: list[list[int]], ports: Any, stop: Event, parent: int) -
         server.stop(grace=None).wait(5)
 
 
+def _shape_server(sizes: list[list[int]], ports: Any, stop: Event, parent: int) -> None:
+    """A process serving each rank's frames in ladle's call shape, with no ladle logic.
+
+    ``/ladle.bench.Serving/Shaped`` on a ``grpc.aio`` server (ladle's server
+    API): a bidirectional stream whose first request is the rank and the
+    credit window (4 bytes each), whose later requests each return credits
+    (4 bytes), and whose responses are the rank's pre-built frames, at most
+    the credits ahead: ladle's Open, Ack credits and frames, without the
+    schedule, the gather, the header, the cursor or the metrics.
+    """
+    import asyncio
+
+    import grpc
+
+    block = np.random.default_rng(0).bytes(max(max(s) for s in sizes))
+    frames = [[block[:n] for n in rank_sizes] for rank_sizes in sizes]
+
+    async def shaped(requests: Any, _context: Any) -> Any:
+        first = await requests.__anext__()
+        rank, credits = int.from_bytes(first[:4], "little"), int.from_bytes(first[4:8], "little")
+        wake = asyncio.Event()
+        done = False
+
+        async def read() -> None:
+            nonlocal credits, done
+            async for request in requests:
+                credits += int.from_bytes(request, "little")
+                wake.set()
+            done = True
+            wake.set()
+
+        reader = asyncio.create_task(read())
+        try:
+            for frame in frames[rank]:
+                while credits <= 0 and not done:
+                    wake.clear()
+                    await wake.wait()
+                if credits <= 0:
+                    return
+                credits -= 1
+                yield frame
+        finally:
+            reader.cancel()
+
+    async def serve() -> None:
+        handler = grpc.method_handlers_generic_handler(
+            BARE_SERVICE, {"Shaped": grpc.stream_stream_rpc_method_handler(shaped, None, None)}
+        )
+        server = grpc.aio.server(options=rpc.message_options(_max_frame()))
+        server.add_generic_rpc_handlers((handler,))
+        ports.put(server.add_insecure_port("127.0.0.1:0"))
+        await server.start()
+        try:
+            while not stop.is_set() and os.getppid() == parent:
+                await asyncio.sleep(0.5)
+        finally:
+            await server.stop(None)
+
+    asyncio.run(serve())
+
+
 # ---------------------------------------------------------------- client jobs (run in worker processes)
 
 
@@ -285,40 +350,102 @@ def _ladle_epoch(
     }
 
 
-def _bare_grpc(port: int, rank: int, start_at: float) -> dict[str, Any]:
-    """Read one rank's stream of raw messages from the bare server."""
+class _Count:
+    """A client's messages and bytes; the first message starts the clock and is not counted."""
+
+    def __init__(self) -> None:
+        self.n = self.nbytes = 0
+        self.first = self.end = 0.0
+
+    def add(self, message: bytes) -> None:
+        now = time.monotonic()
+        if self.n:
+            self.nbytes += len(message)
+        else:
+            self.first = now
+        self.n += 1
+        self.end = now
+
+    def result(self, began: float, cpu_s: float) -> dict[str, Any]:
+        return {
+            "cpu_s": cpu_s,
+            "began": began,
+            "first": self.first,
+            "end": self.end,
+            "messages": self.n,
+            "counted": self.n - 1,
+            "counted_bytes": self.nbytes,
+        }
+
+
+@contextmanager
+def _raw_channel(port: int) -> Iterator[Any]:
+    """A ready channel to a bench server on 127.0.0.1 (raw bytes both ways), closed on exit."""
     import grpc
 
     channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=rpc.message_options(_max_frame()))
-    n = nbytes = 0
-    first = end = 0.0
     try:
         grpc.channel_ready_future(channel).result(timeout=WAIT_S)
-        call = channel.unary_stream(
-            f"/{BARE_SERVICE}/Frames", request_serializer=None, response_deserializer=None
-        )
+        yield channel
+    finally:
+        channel.close()
+
+
+def _bare_grpc(port: int, rank: int, start_at: float) -> dict[str, Any]:
+    """Read one rank's stream of raw messages from the bare server."""
+    count = _Count()
+    with _raw_channel(port) as channel:
+        call = channel.unary_stream(f"/{BARE_SERVICE}/Frames")
         _sleep_until(start_at)
         began, cpu = time.monotonic(), time.process_time()
         for message in call(rank.to_bytes(4, "little"), timeout=WAIT_S):
-            now = time.monotonic()
-            if n:
-                nbytes += len(message)
-            else:
-                first = now
-            n += 1
-            end = now
+            count.add(message)
         cpu = time.process_time() - cpu
-    finally:
-        channel.close()
-    return {
-        "cpu_s": cpu,
-        "began": began,
-        "first": first,
-        "end": end,
-        "messages": n,
-        "counted": n - 1,
-        "counted_bytes": nbytes,
-    }
+    return count.result(began, cpu)
+
+
+def _shape_grpc(port: int, rank: int, start_at: float) -> dict[str, Any]:
+    """Read one rank's frames from the shape server as BatchClient reads, with no ladle logic.
+
+    A sync channel's bidirectional call fed by a request thread, a reader
+    thread that queues each frame for the caller's thread, and credits
+    returned in groups of three quarters of the window (``PREFETCH``): the
+    threads and upstream messages of ``BatchClient``, without decoding a frame.
+    """
+    requests: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+    frames: queue.SimpleQueue[Any] = queue.SimpleQueue()
+    group = max(1, PREFETCH * 3 // 4)
+
+    def request_iter() -> Iterator[bytes]:
+        while (request := requests.get()) is not None:
+            yield request
+
+    def read(call: Any) -> None:
+        try:
+            for message in call:
+                frames.put(message)
+        finally:
+            frames.put(None)
+
+    count = _Count()
+    owed = 0
+    with _raw_channel(port) as channel:
+        call = channel.stream_stream(f"/{BARE_SERVICE}/Shaped")
+        _sleep_until(start_at)
+        began, cpu = time.monotonic(), time.process_time()
+        requests.put(rank.to_bytes(4, "little") + PREFETCH.to_bytes(4, "little"))
+        reader = threading.Thread(target=read, args=(call(request_iter(), timeout=WAIT_S),), daemon=True)
+        reader.start()
+        while (message := frames.get(timeout=WAIT_S)) is not None:
+            count.add(message)
+            owed += 1
+            if owed >= group:
+                requests.put(owed.to_bytes(4, "little"))
+                owed = 0
+        cpu = time.process_time() - cpu
+        requests.put(None)
+        reader.join(timeout=WAIT_S)
+    return count.result(began, cpu)
 
 
 def _tcp(port: int, count: int, start_at: float) -> dict[str, Any]:
@@ -478,10 +605,11 @@ def _latency(address: str, job: str, batches: int) -> dict[str, Any]:
     }
 
 
-_SYNCED = frozenset({"ladle_epoch", "bare_grpc", "tcp"})  # jobs that take start_at
+_SYNCED = frozenset({"ladle_epoch", "bare_grpc", "shape_grpc", "tcp"})  # jobs that take start_at
 _JOBS: dict[str, Callable[..., dict[str, Any]]] = {
     "ladle_epoch": _ladle_epoch,
     "bare_grpc": _bare_grpc,
+    "shape_grpc": _shape_grpc,
     "tcp": _tcp,
     "loop_ladle": _loop_ladle,
     "loop_dataloader": _loop_dataloader,
@@ -592,10 +720,12 @@ def bench_throughput(dataset: Path, workdir: Path, repeats: int) -> dict[str, An
     stop = ctx.Event()
     ports = ctx.Queue()
     bare: BaseProcess | None = None
+    shape: BaseProcess | None = None
     server: _Ladle | None = None
     runs: dict[str, list[dict[str, Any]]] = {
         "ladle": [],
         "bare_grpc": [],
+        "shape_grpc": [],
         "tcp_2_readers": [],
         "tcp_1_reader": [],
     }
@@ -622,7 +752,14 @@ def bench_throughput(dataset: Path, workdir: Path, repeats: int) -> dict[str, An
                 bare.start()
                 grpc_port, tcp0, tcp1, tcp_both = ports.get(timeout=WAIT_S)
                 counts = [len(s) for s in sizes]
+                shape = ctx.Process(
+                    target=_shape_server, args=(sizes, ports, stop, os.getpid()), name="bench-serving-shape"
+                )
+                shape.start()
+                shape_port = ports.get(timeout=WAIT_S)
             assert bare.pid is not None
+            assert shape is not None
+            assert shape.pid is not None
             runs["bare_grpc"].append(
                 _timed(
                     clients,
@@ -630,6 +767,9 @@ def bench_throughput(dataset: Path, workdir: Path, repeats: int) -> dict[str, An
                     "bare_grpc",
                     [{"port": grpc_port, "rank": i} for i in range(2)],
                 )
+            )
+            runs["shape_grpc"].append(
+                _timed(clients, shape.pid, "shape_grpc", [{"port": shape_port, "rank": i} for i in range(2)])
             )
             runs["tcp_2_readers"].append(
                 _timed(
@@ -648,12 +788,17 @@ def bench_throughput(dataset: Path, workdir: Path, repeats: int) -> dict[str, An
         if server is not None:
             server.stop()
         clients.close()
-        if bare is not None:
-            _stop_all([bare])
+        _stop_all([p for p in (bare, shape) if p is not None])
     for case_runs in runs.values():
         for run in case_runs:
             run.pop("_sizes", None)
-    paired = [lad["gb_s"] / base["gb_s"] for lad, base in zip(runs["ladle"], runs["bare_grpc"], strict=True)]
+
+    def paired_ratio(case: str, base: str) -> list[float]:
+        return [a["gb_s"] / b["gb_s"] for a, b in zip(runs[case], runs[base], strict=True)]
+
+    paired = paired_ratio("ladle", "bare_grpc")
+    shape_paired = paired_ratio("shape_grpc", "bare_grpc")
+    in_shape = paired_ratio("ladle", "shape_grpc")
     first = runs["ladle"][0]
     out: dict[str, Any] = {
         "rows": None,
@@ -680,8 +825,16 @@ def bench_throughput(dataset: Path, workdir: Path, repeats: int) -> dict[str, An
         "ladle_reconnects": sum(run["reconnects"] for run in runs["ladle"]),
         "ratio_ladle_vs_bare_grpc_paired": _r(statistics.median(paired), 2),
         "ratio_runs": [_r(p, 2) for p in paired],
+        "ratio_shape_vs_bare_grpc_paired": _r(statistics.median(shape_paired), 2),
+        "ratio_ladle_vs_shape_paired": _r(statistics.median(in_shape), 2),
+        "shape_ratio_runs": [_r(p, 2) for p in shape_paired],
         "server_log_problems": problems[-10:],
         "target": "ladle / bare gRPC >= 0.70 (GB/s of the same messages); TCP: the physical limit",
+        "shape_note": (
+            "shape_grpc: the same frames in ladle's call shape with no ladle logic (grpc.aio server, "
+            "bidirectional stream with credits grouped at 3/4 of the window, client reader thread): "
+            "what the call shape alone costs against bare gRPC"
+        ),
     }
     return out
 
@@ -875,9 +1028,12 @@ def summary(results: dict[str, Any]) -> list[str]:
         "serving CPU per batch (server + clients): "
         + "; ".join(
             f"{case} {c[case]['server_cpu_us_per_batch']:,.0f} + {c[case]['client_cpu_us_per_batch']:,.0f} us"
-            for case in ("ladle", "bare_grpc", "tcp_2_readers")
+            for case in ("ladle", "shape_grpc", "bare_grpc", "tcp_2_readers")
         )
         + f" ({results['cpus']} cores)",
+        f"ladle's call shape with no ladle logic (asyncio server, bidirectional with credits, reader "
+        f"thread): {c['shape_grpc']['gb_s']} GB/s -> {tp['ratio_shape_vs_bare_grpc_paired']}x bare gRPC; "
+        f"ladle is {tp['ratio_ladle_vs_shape_paired']}x of it",
     ]
     loop = results["training_loop"]
     lc = loop["cases"]
