@@ -36,6 +36,7 @@ __all__ = [
     "DecodedStreamStart",
     "FrameParts",
     "WireFormatError",
+    "batch_frame_head",
     "batch_frame_parts",
     "decode_batch",
     "decode_frame",
@@ -204,7 +205,9 @@ def encode_batch(
     if mask.shape != ids.shape:
         raise WireFormatError(f"loss_mask shape {mask.shape} differs from input_ids shape {ids.shape}")
     lens, samples, real_tokens = _check_rows(lengths, sample_ids, rows, padded_len)
-    head, gap = _batch_head(epoch, step, rank, bucket, schedule_fingerprint, rows, padded_len, real_tokens)
+    head, gap = batch_frame_head(
+        epoch, step, rank, bucket, schedule_fingerprint, rows, padded_len, real_tokens
+    )
     return b"".join((head, _raw(ids), gap, _raw(samples), _raw(lens), _raw(mask)))
 
 
@@ -289,13 +292,21 @@ def batch_frame_parts(
     would not make a valid frame.
     """
     rows = len(_wire_array("lengths", lengths, 1))
+    padded_len = _check_shape(rows, padded_len)
+    lens, samples, real_tokens = _check_rows(lengths, sample_ids, rows, padded_len)
+    head, gap = batch_frame_head(
+        epoch, step, rank, bucket, schedule_fingerprint, rows, padded_len, real_tokens
+    )
+    return FrameParts(head, gap, _raw(samples), _raw(lens), rows, padded_len, real_tokens)
+
+
+def _check_shape(rows: int, padded_len: int) -> int:
+    """``padded_len`` as an int, after checking a batch of that shape can be framed."""
     _check_int("padded_len", padded_len, _U32)
     padded_len = int(padded_len)
     if rows < 1 or padded_len < 1:
         raise WireFormatError(f"a batch needs at least one row and one column, got ({rows}, {padded_len})")
-    lens, samples, real_tokens = _check_rows(lengths, sample_ids, rows, padded_len)
-    head, gap = _batch_head(epoch, step, rank, bucket, schedule_fingerprint, rows, padded_len, real_tokens)
-    return FrameParts(head, gap, _raw(samples), _raw(lens), rows, padded_len, real_tokens)
+    return padded_len
 
 
 def _check_rows(
@@ -314,7 +325,7 @@ def _check_rows(
     return lens, samples, real_tokens
 
 
-def _batch_head(
+def batch_frame_head(
     epoch: int,
     step: int,
     rank: int,
@@ -324,12 +335,21 @@ def _batch_head(
     padded_len: int,
     real_tokens: int,
 ) -> tuple[bytes, bytes]:
-    """A batch frame's bytes before input_ids (prefix, header, zero pad) and between it and sample_ids."""
+    """A batch frame's bytes before input_ids (prefix, header, zero pad) and between it and sample_ids.
+
+    Checks its fields, not the rows: a caller outside this module (the
+    server's compiled row plan) has checked that each length lies in [1,
+    padded_len], that they sum to ``real_tokens`` and that the sample ids are
+    row indices. Raises WireFormatError for fields that would not make a
+    valid frame.
+    """
     for name, value, top in (("epoch", epoch, _U64), ("step", step, _U64), ("rank", rank, _U32)):
         _check_int(name, value, top)
     _check_int("bucket", bucket, _U32)
     _check_int("rows", rows, _U32)
-    _check_int("padded_len", padded_len, _U32)
+    rows = int(rows)
+    padded_len = _check_shape(rows, padded_len)
+    _check_int("real_tokens", real_tokens, rows * padded_len)
     if not isinstance(schedule_fingerprint, str):
         raise WireFormatError(
             f"schedule_fingerprint must be a str, got {type(schedule_fingerprint).__name__}"

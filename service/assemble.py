@@ -443,19 +443,33 @@ class Assembler:
                 sample_ids=pieces.sample_ids,
             )
             return BatchFrame(data, pieces.num_tokens, len(pieces.lengths))
-        row_ids, width, pad = self._checked(rows, padded_len, pad_id)
-        cut, ids_chunk, mask_chunk, ids_at, mask_at = self._where(row_ids, width)
-        parts = codec.batch_frame_parts(
-            **fields,
-            padded_len=width,
-            lengths=cut.astype(np.int32),
-            sample_ids=row_ids,
+        # the rows' bounds are checked by the plan, in the same pass that reads their offsets
+        row_ids, width, pad = self._checked(rows, padded_len, pad_id, bounds=False)
+        count = len(row_ids)
+        if count:
+            row_ids = np.ascontiguousarray(row_ids)
+            plan, real_tokens = _frame_c.plan(
+                row_ids,
+                width,
+                self._offsets,
+                self._ids_first_rows,
+                self._ids_delta,
+                self._mask_first_rows,
+                self._mask_delta,
+            )
+        else:
+            plan, real_tokens = b"", 0  # batch_frame_head refuses an empty batch
+        head, gap = codec.batch_frame_head(**fields, rows=count, padded_len=width, real_tokens=real_tokens)
+        # plan: cut, ids chunk, mask chunk, ids start, mask start (int64 each), then int32 lengths
+        step = 8 * count
+        cut, ids_chunk, mask_chunk, ids_at, mask_at, lengths = (
+            memoryview(plan)[i * step : (i + 1) * step if i < 5 else None] for i in range(6)
         )
         data = _frame_c.frame(
-            parts.head,
-            parts.gap,
-            parts.sample_ids,
-            parts.lengths,
+            head,
+            gap,
+            row_ids,
+            lengths,
             self._ids_bytes,
             self._mask_bytes,
             ids_chunk,
@@ -466,11 +480,16 @@ class Assembler:
             width,
             pad,
         )
-        return BatchFrame(data, parts.real_tokens, parts.rows)
+        return BatchFrame(data, real_tokens, count)
 
-    def _checked(self, rows: npt.ArrayLike, padded_len: int, pad_id: int) -> tuple[I64, int, int]:
-        """The arguments of a batch, checked (and the data files unchanged): row ids, width, pad id."""
-        row_ids = self._check_rows(rows)
+    def _checked(
+        self, rows: npt.ArrayLike, padded_len: int, pad_id: int, *, bounds: bool = True
+    ) -> tuple[I64, int, int]:
+        """The arguments of a batch, checked (and the data files unchanged): row ids, width, pad id.
+
+        ``bounds=False`` leaves the rows' range to the caller (the compiled plan checks it).
+        """
+        row_ids = self._check_rows(rows, bounds=bounds)
         width = _check_int("padded_len", padded_len, 1, None)
         pad = _check_int("pad_id", pad_id, _INT32_MIN, _INT32_MAX)
         self._check_files()
@@ -486,14 +505,14 @@ class Assembler:
                 log.error("%s", exc)
             raise
 
-    def _check_rows(self, rows: npt.ArrayLike) -> I64:
+    def _check_rows(self, rows: npt.ArrayLike, *, bounds: bool = True) -> I64:
         array = np.asarray(rows)
         if array.ndim != 1:
             raise ValueError(f"rows must be a 1-D array of row indices, got shape {array.shape}")
         if array.size and array.dtype.kind not in "iu":  # np.issubdtype(.., np.integer), 1 us less
             raise ValueError(f"rows must be integers, got dtype {array.dtype}")
         row_ids = array.astype(np.int64, copy=False)
-        if row_ids.size:
+        if bounds and row_ids.size:
             low, high = int(row_ids.min()), int(row_ids.max())
             if low < 0 or high >= self.num_rows:
                 bad = low if low < 0 else high

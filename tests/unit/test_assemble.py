@@ -18,7 +18,7 @@ import numpy.typing as npt
 import pyarrow as pa
 import pyarrow.compute as pc
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ladle.proto import codec
@@ -416,6 +416,54 @@ def test_frame_refuses_what_the_codec_refuses(synth: TokenDataset) -> None:
         asm.frame(np.zeros(0, dtype=np.int64), 8, **FIELDS)
     with pytest.raises(codec.WireFormatError):
         asm.frame([1, 2], 8, **{**FIELDS, "rank": -1})
+
+
+@pytest.mark.skipif(assemble._frame_c is None, reason="the compiled frame is not built")
+@given(
+    picks=st.lists(st.integers(0, 3999), min_size=1, max_size=40),
+    width=st.integers(1, 600),
+)
+@settings(max_examples=60, deadline=None)
+def test_the_compiled_plan_equals_the_numpy_one(synth: TokenDataset, picks: list[int], width: int) -> None:
+    """``_frame.plan`` gives what ``Assembler._where`` gives, and the real token count."""
+    asm = Assembler(synth)
+    rows = np.array(picks, dtype=np.int64)
+    plan, real = assemble._frame_c.plan(
+        rows, width, asm._offsets, asm._ids_first_rows, asm._ids_delta, asm._mask_first_rows, asm._mask_delta
+    )
+    n = len(rows)
+    got = np.frombuffer(plan, dtype=np.int64, count=5 * n).reshape(5, n)
+    names = ("cut", "ids chunk", "mask chunk", "ids at", "mask at")
+    for name, mine, theirs in zip(names, got, asm._where(rows, width), strict=True):
+        assert mine.tolist() == theirs.tolist(), name
+    assert np.frombuffer(plan, dtype=np.int32, offset=40 * n).tolist() == got[0].tolist()
+    assert real == int(got[0].sum())
+
+
+@pytest.mark.skipif(assemble._frame_c is None, reason="the compiled frame is not built")
+def test_the_compiled_plan_refuses_rows_outside_the_dataset(synth: TokenDataset) -> None:
+    asm = Assembler(synth)
+    tables = (asm._offsets, asm._ids_first_rows, asm._ids_delta, asm._mask_first_rows, asm._mask_delta)
+    for rows, bad in (([0, synth.num_rows], synth.num_rows), ([-3, 5, 2**40], -3), ([7, 2**40], 2**40)):
+        with pytest.raises(
+            ValueError, match=rf"row {bad} is outside the dataset's rows \[0, {synth.num_rows}\)"
+        ):
+            assemble._frame_c.plan(np.array(rows, dtype=np.int64), 8, *tables)
+    with pytest.raises(ValueError, match="do not agree"):
+        assemble._frame_c.plan(np.zeros(0, dtype=np.int64), 8, *tables)
+    with pytest.raises(ValueError, match="do not agree"):
+        assemble._frame_c.plan(np.array([1], dtype=np.int64), 0, *tables)
+
+
+def test_batch_frame_head_checks_its_fields() -> None:
+    head, gap = codec.batch_frame_head(rows=2, padded_len=8, real_tokens=9, **FIELDS)
+    lengths, samples = np.array([4, 5], dtype=np.int32), np.array([0, 1], dtype=np.int64)
+    parts = codec.batch_frame_parts(padded_len=8, lengths=lengths, sample_ids=samples, **FIELDS)
+    assert (head, gap) == (parts.head, parts.gap)
+    good: dict[str, Any] = {"rows": 2, "padded_len": 8, "real_tokens": 9, **FIELDS}
+    for change in ({"rows": 0}, {"padded_len": 0}, {"real_tokens": 17}, {"real_tokens": -1}, {"rows": -2}):
+        with pytest.raises(codec.WireFormatError):
+            codec.batch_frame_head(**{**good, **change})
 
 
 @pytest.mark.skipif(assemble._frame_c is None, reason="the compiled frame is not built")
