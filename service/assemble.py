@@ -461,10 +461,9 @@ class Assembler:
             plan, real_tokens = b"", 0  # batch_frame_head refuses an empty batch
         head, gap = codec.batch_frame_head(**fields, rows=count, padded_len=width, real_tokens=real_tokens)
         # plan: cut, ids chunk, mask chunk, ids start, mask start (int64 each), then int32 lengths
-        step = 8 * count
-        cut, ids_chunk, mask_chunk, ids_at, mask_at, lengths = (
-            memoryview(plan)[i * step : (i + 1) * step if i < 5 else None] for i in range(6)
-        )
+        view, size = memoryview(plan), 8 * count
+        cut, ids_chunk, mask_chunk, ids_at, mask_at = (view[i * size : (i + 1) * size] for i in range(5))
+        lengths = view[5 * size :]
         data = _frame_c.frame(
             head,
             gap,
