@@ -347,7 +347,12 @@ class _PolledStream:
         call = self.call
         if join:
             end = time.monotonic() + join
-            while (call.sending() or self._through is not None) and time.monotonic() < end:
+            while (
+                (call.sending() or self._through is not None)
+                and call.status is None
+                and not call.broken
+                and time.monotonic() < end
+            ):
                 time.sleep(0.001)  # the reader thread sees the last message go
             if call.close_send():
                 self.thread.join(timeout=max(0.0, end - time.monotonic()))

@@ -153,6 +153,17 @@ def test_a_held_back_ack_reaches_the_store_while_the_trainer_pauses(server_facto
         client.close()
 
 
+def test_close_after_the_server_died_is_prompt(server_factory: Factory) -> None:
+    server = server_factory()
+    client = BatchClient(0, 1, server.address, "gone", timeout=30, prefetch=4)
+    consume(client, limit=3)
+    server.kill()
+    time.sleep(0.5)  # the stream has seen the connection go
+    began = time.monotonic()
+    client.close()
+    assert time.monotonic() - began < 0.5, "close() waited for a server that is gone"
+
+
 def test_next_epoch_continues(server_factory: Factory, small_dataset: Path) -> None:
     server = server_factory()
     with BatchClient(0, 1, server.address, "epochs", timeout=30) as client:

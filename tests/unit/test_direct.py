@@ -1,0 +1,114 @@
+"""``ladle.client._direct.DirectCall`` against a real in-process gRPC server on 127.0.0.1."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from concurrent import futures
+from typing import Any
+
+import grpc
+import pytest
+
+from ladle.client import _direct
+
+SERVICE = "ladle.test.Direct"
+
+
+def _echo(requests: Iterator[bytes], context: Any) -> Iterator[bytes]:
+    """Echoes each request; b"abort" ends the call with a status and a trailer; b"hold" sends nothing."""
+    for request in requests:
+        if request == b"abort":
+            context.set_trailing_metadata((("ladle-test-bin", b"\x01\x02"),))
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, "told to abort")
+        if request == b"hold":
+            while context.is_active():
+                time.sleep(0.01)
+            return
+        yield request
+
+
+@pytest.fixture
+def channel() -> Iterator[grpc.Channel]:
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    echo = grpc.stream_stream_rpc_method_handler(_echo)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, {"Echo": echo}),))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    ch = grpc.insecure_channel(f"127.0.0.1:{port}")
+    try:
+        grpc.channel_ready_future(ch).result(timeout=10)
+        yield ch
+    finally:
+        ch.close()
+        server.stop(grace=None).wait(5)
+
+
+def _send(call: _direct.DirectCall, message: bytes) -> None:
+    """Send once the message before has gone (its completion is polled by ``receive``)."""
+    deadline = time.monotonic() + 10
+    while not call.send(message):
+        assert time.monotonic() < deadline, "a send never became possible"
+        time.sleep(0.001)
+
+
+def test_available_on_a_grpcio_channel(channel: grpc.Channel) -> None:
+    assert _direct.available(channel)
+    assert not _direct.available(object())
+
+
+def test_messages_both_ways_and_a_clean_end(channel: grpc.Channel) -> None:
+    call = _direct.DirectCall(channel, f"/{SERVICE}/Echo", b"first")
+    assert call.receive() == b"first"
+    for i in range(20):
+        _send(call, b"m%d" % i)
+        assert call.receive() == b"m%d" % i, "messages out of order"
+    # one message in flight at a time: its completion must be polled before the next starts
+    _send(call, b"last")
+    assert not call.send(b"too soon"), "a second message started while one was in flight"
+    assert call.receive() == b"last"
+    while not call.close_send():
+        time.sleep(0.001)
+    assert call.receive() is None
+    assert call.status is not None
+    assert call.status.code() is grpc.StatusCode.OK
+    assert call.receive() is None, "the end did not stay the end"
+    assert not call.send(b"after the end")
+
+
+def test_an_aborted_call_reports_its_status_and_trailers(channel: grpc.Channel) -> None:
+    call = _direct.DirectCall(channel, f"/{SERVICE}/Echo", b"abort")
+    assert call.receive() is None
+    status = call.status
+    assert isinstance(status, grpc.RpcError)
+    assert status.code() is grpc.StatusCode.FAILED_PRECONDITION
+    assert status.details() == "told to abort"
+    assert ("ladle-test-bin", b"\x01\x02") in [tuple(m) for m in status.trailing_metadata()]
+
+
+def test_cancel_from_another_thread_ends_a_blocked_receive(channel: grpc.Channel) -> None:
+    call = _direct.DirectCall(channel, f"/{SERVICE}/Echo", b"hold")
+    timer = threading.Timer(0.2, call.cancel)
+    timer.start()
+    began = time.monotonic()
+    try:
+        assert call.receive() is None
+    finally:
+        timer.cancel()
+    assert time.monotonic() - began < 5, "the receive was not ended by the cancel"
+    assert call.status is not None
+    assert call.status.code() is grpc.StatusCode.CANCELLED
+    call.close()  # idempotent once the call has ended
+
+
+def test_on_sent_runs_when_a_message_has_gone(channel: grpc.Channel) -> None:
+    call = _direct.DirectCall(channel, f"/{SERVICE}/Echo", b"first")
+    sent: list[bool] = []
+    call.on_sent = lambda: sent.append(call.sending())
+    assert call.receive() == b"first"
+    _send(call, b"second")
+    assert call.receive() == b"second"
+    assert sent, "on_sent never ran"
+    assert not any(sent), "on_sent ran while the message was still marked in flight"
+    call.close()
