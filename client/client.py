@@ -87,7 +87,67 @@ def _from_env(value: Any, name: str, default: Any, kind: type) -> Any:
         raise ValueError(f"environment variable {name}={raw!r} is not a valid {kind.__name__}") from None
 
 
-class _ThreadedStream:
+class _Stream:
+    """What both ways of reading a stream share: the decoded-batch queue and the pending acknowledgement.
+
+    Acknowledgements (each carrying the consumed batches' credit) are grouped
+    when the trainer consumes faster than one batch per ``ACK_DELAY``: each
+    upstream message wakes a thread on both sides, which costs more CPU than a
+    batch itself when nothing else runs. A group goes when it holds three
+    quarters of the window, when ``ACK_DELAY`` has passed since the last
+    message, and at once on ``flush`` (``state_dict``, ``close``).
+    """
+
+    def __init__(self, depth: int, convert: Callable[[codec.DecodedBatch], Batch]) -> None:
+        self.convert = convert
+        # three quarters of the window: fewer upstream messages than half (-15 us of CPU a
+        # batch on each side, measured), and the server keeps a quarter of its credits
+        self.group = max(1, depth * 3 // 4)
+        self._through: tuple[int, int] | None = None
+        self._credit = 0
+        self._last_sent = time.monotonic()
+        # decoded batches (or an end marker / an error), decoded on the stream's reader
+        # thread so next() only dequeues
+        # (unbounded: the server sends at most `depth` batches beyond what was acknowledged)
+        self.frames: queue.SimpleQueue[Any] = queue.SimpleQueue()
+
+    def _hold(self, through: tuple[int, int]) -> bool:
+        """Count one consumed batch; True if its acknowledgement may wait (hold the stream's lock)."""
+        self._through = through
+        self._credit += 1
+        return self._credit < self.group and time.monotonic() - self._last_sent < ACK_DELAY
+
+    def _ack_request(self) -> pb.StreamRequest | None:
+        """The pending acknowledgement as a request, or None (hold the stream's lock)."""
+        if self._through is None:
+            return None
+        epoch, step = self._through
+        return pb.StreamRequest(ack=pb.Ack(through=pb.Position(epoch=epoch, step=step), credit=self._credit))
+
+    def _acked(self) -> None:
+        """The pending acknowledgement went (hold the stream's lock)."""
+        self._through = None
+        self._credit = 0
+        self._last_sent = time.monotonic()
+
+    def _put(self, frame: bytes) -> None:
+        """Decode a received frame and queue it for the trainer (on the reader thread)."""
+        decoded = codec.decode_frame(frame)
+        if isinstance(decoded, codec.DecodedBatch):
+            self.frames.put((decoded, self.convert(decoded)))
+        else:
+            self.frames.put(decoded)
+
+    def next(self, timeout: float) -> Any:
+        """The next decoded item (or an end marker, or an error); ``queue.Empty`` after ``timeout``."""
+        return self.frames.get(timeout=timeout)
+
+    def buffered(self) -> int:
+        """Frames received and decoded, not yet taken."""
+        return self.frames.qsize()
+
+
+class _ThreadedStream(_Stream):
     """One gRPC stream read through grpcio's iterator by a reader thread (the fallback of ``_PolledStream``).
 
     A reader thread takes each frame from gRPC as it arrives, decodes it and
@@ -98,15 +158,10 @@ class _ThreadedStream:
     inside ``next()`` (median 13 -> 127 us with a full window): measured in
     docs/serving.md.
 
-    Acknowledgements (each carrying the consumed batches' credit) are grouped
-    when the trainer consumes faster than one batch per ``ACK_DELAY``: each
-    upstream message wakes a thread on both sides, which costs more CPU than a
-    batch itself when nothing else runs. A group is sent when it holds three
-    quarters of the window, when ``ACK_DELAY`` has passed since the last
-    message (the request thread waits for that moment after each message it
-    sends, so an ack is never later than that, and the trainer's thread wakes
-    no one for an ack it holds back), and at once on ``flush``
-    (``state_dict``, ``close``).
+    Acknowledgements go through grpcio's request iterator, on its request
+    thread; one held back is sent when it is due because that thread waits
+    for that moment after each message it sends (so the trainer's thread
+    wakes no one for an acknowledgement it holds back).
     """
 
     def __init__(
@@ -116,35 +171,19 @@ class _ThreadedStream:
         depth: int,
         convert: Callable[[codec.DecodedBatch], Batch],
     ) -> None:
+        super().__init__(depth, convert)
         self.requests: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self.requests.put(open_request)
-        self.convert = convert
-        # three quarters of the window: fewer upstream messages than half (-15 us of CPU a
-        # batch on each side, measured), and the server keeps a quarter of its credits
-        self.group = max(1, depth * 3 // 4)
         self._lock = threading.Lock()
-        self._through: tuple[int, int] | None = None
-        self._credit = 0
-        self._last_sent = time.monotonic()
-        # decoded batches (or an end marker / an error), decoded on this stream's
-        # reader thread so next() only dequeues
-        # (unbounded: the server sends at most `depth` batches beyond what was acknowledged)
-        self.frames: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self.call = stub.stream(self._request_iter())
         self.thread = threading.Thread(target=self._read, name="ladle-client-reader", daemon=True)
         self.thread.start()
 
     def _take_ack(self) -> pb.StreamRequest | None:
         """The pending acknowledgement as a request (and clear it), or None; hold the lock."""
-        if self._through is None:
-            return None
-        epoch, step = self._through
-        request = pb.StreamRequest(
-            ack=pb.Ack(through=pb.Position(epoch=epoch, step=step), credit=self._credit)
-        )
-        self._through = None
-        self._credit = 0
-        self._last_sent = time.monotonic()
+        request = self._ack_request()
+        if request is not None:
+            self._acked()
         return request
 
     def _request_iter(self) -> Iterator[pb.StreamRequest]:
@@ -175,10 +214,7 @@ class _ThreadedStream:
     def ack(self, through: tuple[int, int]) -> None:
         """The trainer consumed everything before ``through``: one batch's credit back."""
         with self._lock:
-            self._through = through
-            self._credit += 1
-            now = time.monotonic()
-            if self._credit < self.group and now - self._last_sent < ACK_DELAY:
+            if self._hold(through):
                 return  # the request thread sends it when it is due
             request = self._take_ack()
         if request is not None:
@@ -194,24 +230,12 @@ class _ThreadedStream:
     def _read(self) -> None:
         try:
             for frame in self.call:
-                decoded = codec.decode_frame(frame)
-                if isinstance(decoded, codec.DecodedBatch):
-                    self.frames.put((decoded, self.convert(decoded)))
-                else:
-                    self.frames.put(decoded)
+                self._put(frame)
             self.frames.put(_END)
         except grpc.RpcError as exc:
             self.frames.put(exc)
         except Exception as exc:  # pragma: no cover - defensive: surface anything to the trainer
             self.frames.put(exc)
-
-    def next(self, timeout: float) -> Any:
-        """The next decoded item (or an end marker, or an error); ``queue.Empty`` after ``timeout``."""
-        return self.frames.get(timeout=timeout)
-
-    def buffered(self) -> int:
-        """Frames received and decoded, not yet taken."""
-        return self.frames.qsize()
 
     def close(self, join: float = 0.0) -> None:
         self.requests.put(None)
@@ -220,7 +244,7 @@ class _ThreadedStream:
         self.call.cancel()
 
 
-class _PolledStream:
+class _PolledStream(_Stream):
     """One gRPC stream whose completion queue its reader thread polls itself (``_direct.DirectCall``).
 
     The reader thread takes each frame off the call's own completion queue
@@ -233,12 +257,11 @@ class _PolledStream:
     that polls for it, so ``next()`` paid for it (median 20 -> 198 us with
     a full window).
 
-    Acknowledgements are grouped as in ``_ThreadedStream``. gRPC takes the
-    next message up only after the last one's completion has been polled,
-    so an acknowledgement that finds one in flight waits for the reader
-    thread to see it go (``_sent``), and a watchdog thread (asleep unless an
-    acknowledgement is held back) sends one held back once ``ACK_DELAY``
-    has passed.
+    gRPC takes the next message up only after the last one's completion has
+    been polled, so an acknowledgement that finds one in flight waits for
+    the reader thread to see it go (``_sent``), and a watchdog thread
+    (asleep unless an acknowledgement is held back) sends one held back once
+    ``ACK_DELAY`` has passed.
     """
 
     def __init__(
@@ -249,17 +272,10 @@ class _PolledStream:
         depth: int,
         convert: Callable[[codec.DecodedBatch], Batch],
     ) -> None:
-        self.convert = convert
-        self.group = max(1, depth * 3 // 4)
+        super().__init__(depth, convert)
         self._cond = threading.Condition()
-        self._through: tuple[int, int] | None = None
-        self._credit = 0
-        self._last_sent = time.monotonic()
         self._closed = False
         self._watch_held = False  # the watchdog knows of the held acknowledgement
-        # decoded batches (or an end marker / an error); unbounded: the server sends
-        # at most `depth` batches beyond what was acknowledged
-        self.frames: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self.call = _direct.DirectCall(channel, rpc.STREAM_METHOD, open_request.SerializeToString(), metadata)
         self.call.on_sent = self._sent
         self.thread = threading.Thread(target=self._read, name="ladle-client-reader", daemon=True)
@@ -273,11 +289,7 @@ class _PolledStream:
         call = self.call
         try:
             while (frame := call.receive()) is not None:
-                decoded = codec.decode_frame(frame)
-                if isinstance(decoded, codec.DecodedBatch):
-                    self.frames.put((decoded, self.convert(decoded)))
-                else:
-                    self.frames.put(decoded)
+                self._put(frame)
             status = call.status
             self.frames.put(_END if status is None or status.code() is grpc.StatusCode.OK else status)
         except Exception as exc:  # pragma: no cover - defensive: surface anything to the trainer
@@ -294,35 +306,20 @@ class _PolledStream:
 
     # --- the trainer's thread ---
 
-    def next(self, timeout: float) -> Any:
-        """The next decoded item (or an end marker, or an error); ``queue.Empty`` after ``timeout``."""
-        return self.frames.get(timeout=timeout)
-
-    def buffered(self) -> int:
-        """Frames received and decoded, not yet taken."""
-        return self.frames.qsize()
-
     def _send_locked(self) -> bool:
         """Send the pending acknowledgement unless a message is in flight; hold the condition."""
-        if self._through is None or self.call.sending():
+        request = self._ack_request()
+        if request is None or self.call.sending():
             return False
-        epoch, step = self._through
-        request = pb.StreamRequest(
-            ack=pb.Ack(through=pb.Position(epoch=epoch, step=step), credit=self._credit)
-        ).SerializeToString()
-        if not self.call.send(request):
+        if not self.call.send(request.SerializeToString()):
             return False  # in flight after all, or the call ended: kept for later
-        self._through = None
-        self._credit = 0
-        self._last_sent = time.monotonic()
+        self._acked()
         return True
 
     def ack(self, through: tuple[int, int]) -> None:
         """The trainer consumed everything before ``through``: one batch's credit back."""
         with self._cond:
-            self._through = through
-            self._credit += 1
-            if self._credit < self.group and time.monotonic() - self._last_sent < ACK_DELAY:
+            if self._hold(through):
                 if not self._watch_held:  # wake the watchdog once for each held group
                     self._watch_held = True
                     self._cond.notify()
