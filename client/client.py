@@ -462,6 +462,7 @@ class BatchClient:
         self._generation: int | None = None
         self._incarnation = ""
         self._closed = False
+        self._polled = _READER != "thread"  # read through _direct (else grpcio's iterator)
         self.reconnects = 0
 
     # --- state ---
@@ -701,10 +702,16 @@ class BatchClient:
         if self._generation is not None:
             request.resume.CopyFrom(pb.Resume(generation=self._generation, incarnation=self._incarnation))
         first = pb.StreamRequest(open=request)
-        if _READER != "thread" and _direct.available(self._channel):
-            self._stream = _PolledStream(self._channel, self._metadata, first, self.prefetch, self._to_batch)
-        else:
-            self._stream = _ThreadedStream(stub, first, self.prefetch, self._to_batch)
+        if self._polled and _direct.available(self._channel):
+            try:
+                self._stream = _PolledStream(
+                    self._channel, self._metadata, first, self.prefetch, self._to_batch
+                )
+                return self._stream
+            except (TypeError, AttributeError) as exc:  # a grpcio whose Cython layer differs
+                log.warning("rank %d: reading through grpcio's iterator (%s)", self.rank, exc)
+                self._polled = False
+        self._stream = _ThreadedStream(stub, first, self.prefetch, self._to_batch)
         return self._stream
 
     def _drop_stream(self) -> None:

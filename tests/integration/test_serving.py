@@ -136,6 +136,21 @@ def test_both_readers_deliver_the_schedule_and_survive_a_kill_9(
     check_rank_stream(small_dataset, reference(small_dataset, 1), 0, got)
 
 
+def test_a_grpcio_whose_cython_layer_differs_falls_back_to_its_iterator(
+    server_factory: Factory, small_dataset: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def refuse(*_args: Any, **_kwargs: Any) -> Any:
+        raise TypeError("segregated_call() takes other arguments in this grpcio")
+
+    monkeypatch.setattr(client_module._direct, "DirectCall", refuse)
+    server = server_factory()
+    with BatchClient(0, 1, server.address, "fallback", timeout=30) as client:
+        got = consume(client)
+        kind = type(client._stream).__name__
+    assert kind == "_ThreadedStream"
+    check_rank_stream(small_dataset, reference(small_dataset, 1), 0, got)
+
+
 def test_a_held_back_ack_reaches_the_store_while_the_trainer_pauses(server_factory: Factory) -> None:
     """A fast consumer's acks are grouped, but one held back still goes within ACK_DELAY."""
     from .test_http import wait_for_cursor  # (test_http imports this module)
