@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from ladle.client import BatchClient, BatchClientError, FencedError, ServerUnavailableError, StateDictError
+from ladle.client import _direct as direct_module
 from ladle.client import client as client_module
 from ladle.proto import ladle_pb2 as pb
 from ladle.proto import rpc
@@ -142,7 +143,7 @@ def test_a_grpcio_whose_cython_layer_differs_falls_back_to_its_iterator(
     def refuse(*_args: Any, **_kwargs: Any) -> Any:
         raise TypeError("segregated_call() takes other arguments in this grpcio")
 
-    monkeypatch.setattr(client_module._direct, "DirectCall", refuse)
+    monkeypatch.setattr(direct_module, "DirectCall", refuse)
     server = server_factory()
     with BatchClient(0, 1, server.address, "fallback", timeout=30) as client:
         got = consume(client)
