@@ -14,7 +14,9 @@ Every figure is printed beside a baseline measured in the same run, on
    quarters of the window, BatchClient's reader thread polling the call's
    own completion queue): it splits the gap to the
    bare stream into what the call shape costs and what ladle's own work per
-   batch costs. The ratios are paired per repeat (runs seconds apart) and
+   batch costs. And ladle once more with the client reading through
+   grpcio's iterator (the fallback reader, ``LADLE_CLIENT_READER=thread``):
+   what the polled reader gains. The ratios are paired per repeat (runs seconds apart) and
    their medians reported, as in ``bench_wire``. CPU per batch (server
    process, and the clients' processes, all threads) says where the cores went.
 2. delivered to a training loop: one rank of world size 1 takes batches as
@@ -307,11 +309,27 @@ def _ladle_epoch(
     world_size: int,
     start_at: float,
     client_kwargs: dict[str, Any] | None = None,
+    reader: str = "polled",
 ) -> dict[str, Any]:
     """One epoch of one rank through BatchClient (numpy): counts, bytes and times.
 
-    ``client_kwargs`` go to ``BatchClient`` too (a token, TLS certificates).
+    ``client_kwargs`` go to ``BatchClient`` too (a token, TLS certificates);
+    ``reader="thread"`` reads through grpcio's iterator (the fallback) instead
+    of the polled reader, as ``LADLE_CLIENT_READER=thread`` would.
     """
+    from ladle.client import client as client_module
+
+    default_reader = client_module._READER
+    client_module._READER = reader  # read when a BatchClient is made; this worker's own
+    try:
+        return _ladle_epoch_read(address, job, rank, world_size, start_at, client_kwargs or {})
+    finally:
+        client_module._READER = default_reader
+
+
+def _ladle_epoch_read(
+    address: str, job: str, rank: int, world_size: int, start_at: float, client_kwargs: dict[str, Any]
+) -> dict[str, Any]:
     from ladle.client import BatchClient
 
     sizes: list[int] = []
@@ -320,7 +338,7 @@ def _ladle_epoch(
     _sleep_until(start_at)
     began, cpu = time.monotonic(), time.process_time()
     with BatchClient(
-        rank, world_size, address, job, prefetch=PREFETCH, timeout=WAIT_S, **(client_kwargs or {})
+        rank, world_size, address, job, prefetch=PREFETCH, timeout=WAIT_S, **client_kwargs
     ) as client:
         for batch in client:
             now = time.monotonic()
@@ -722,6 +740,7 @@ def bench_throughput(dataset: Path, workdir: Path, repeats: int) -> dict[str, An
     server: _Ladle | None = None
     runs: dict[str, list[dict[str, Any]]] = {
         "ladle": [],
+        "ladle_thread_reader": [],
         "bare_grpc": [],
         "shape_grpc": [],
         "tcp_2_readers": [],
@@ -742,6 +761,23 @@ def bench_throughput(dataset: Path, workdir: Path, repeats: int) -> dict[str, An
             )
             sizes: list[list[int]] = ladle.pop("_sizes")
             runs["ladle"].append(ladle)
+            runs["ladle_thread_reader"].append(
+                _timed(
+                    clients,
+                    server.pid,
+                    "ladle_epoch",
+                    [
+                        {
+                            "address": server.address,
+                            "job": f"throughput-thread-{r}",
+                            "rank": i,
+                            "world_size": 2,
+                            "reader": "thread",
+                        }
+                        for i in range(2)
+                    ],
+                )
+            )
             if bare is None:
                 frame_bytes = [n for rank_sizes in sizes for n in rank_sizes]
                 bare = ctx.Process(
@@ -797,6 +833,7 @@ def bench_throughput(dataset: Path, workdir: Path, repeats: int) -> dict[str, An
     paired = paired_ratio("ladle", "bare_grpc")
     shape_paired = paired_ratio("shape_grpc", "bare_grpc")
     in_shape = paired_ratio("ladle", "shape_grpc")
+    polled = paired_ratio("ladle", "ladle_thread_reader")
     first = runs["ladle"][0]
     out: dict[str, Any] = {
         "rows": None,
@@ -826,6 +863,8 @@ def bench_throughput(dataset: Path, workdir: Path, repeats: int) -> dict[str, An
         "ratio_shape_vs_bare_grpc_paired": _r(statistics.median(shape_paired), 2),
         "ratio_ladle_vs_shape_paired": _r(statistics.median(in_shape), 2),
         "shape_ratio_runs": [_r(p, 2) for p in shape_paired],
+        "ratio_polled_vs_thread_reader_paired": _r(statistics.median(polled), 2),
+        "polled_ratio_runs": [_r(p, 2) for p in polled],
         "server_log_problems": problems[-10:],
         "target": "ladle / bare gRPC >= 0.70 (GB/s of the same messages); TCP: the physical limit",
         "shape_note": (
@@ -1034,6 +1073,10 @@ def summary(results: dict[str, Any]) -> list[str]:
         f"reader thread): {c['shape_grpc']['gb_s']} GB/s -> "
         f"{tp['ratio_shape_vs_bare_grpc_paired']}x bare gRPC; "
         f"ladle is {tp['ratio_ladle_vs_shape_paired']}x of it",
+        f"ladle through grpcio's iterator (the fallback reader): {c['ladle_thread_reader']['gb_s']} GB/s, "
+        f"{c['ladle_thread_reader']['server_cpu_us_per_batch']:,.0f} + "
+        f"{c['ladle_thread_reader']['client_cpu_us_per_batch']:,.0f} us a batch -> the polled reader is "
+        f"{tp['ratio_polled_vs_thread_reader_paired']}x of it",
     ]
     loop = results["training_loop"]
     lc = loop["cases"]
