@@ -371,9 +371,8 @@ class _PolledStream(_Stream):
                     now = time.monotonic()
                     if now < due:
                         wait = due - now
-                    elif self._send_locked():
-                        self._watch_held = False
-                    else:  # in flight: _sent sends it when the reader sees that message go
+                    else:  # due: it goes now, or _sent sends it when the message in flight has gone
+                        self._send_locked()
                         self._watch_held = False
                 else:
                     self._watch_held = False
