@@ -142,10 +142,6 @@ class DirectCall:
             self._drain()  # the status follows the last message: wait for it
         return message
 
-    def buffered(self) -> int:
-        """Messages received and not yet returned by ``receive()``."""
-        return sum(1 for m in self._messages if m is not None)
-
     def _start_receive(self) -> None:
         if self._receiving or self.status is not None:
             return

@@ -115,7 +115,13 @@ class _Stream:
         """Count one consumed batch; True if its acknowledgement may wait (hold the stream's lock)."""
         self._through = through
         self._credit += 1
-        return self._credit < self.group and time.monotonic() - self._last_sent < ACK_DELAY
+        return not self._due()
+
+    def _due(self) -> bool:
+        """A pending acknowledgement should go: a full group, or ``ACK_DELAY`` since the last one."""
+        return self._through is not None and (
+            self._credit >= self.group or time.monotonic() - self._last_sent >= ACK_DELAY
+        )
 
     def _ack_request(self) -> pb.StreamRequest | None:
         """The pending acknowledgement as a request, or None (hold the stream's lock)."""
@@ -299,9 +305,7 @@ class _PolledStream(_Stream):
     def _sent(self) -> None:
         """The message in flight has gone (on the reader thread): send a held acknowledgement that is due."""
         with self._cond:
-            if self._through is not None and (
-                self._credit >= self.group or time.monotonic() - self._last_sent >= ACK_DELAY
-            ):
+            if self._due():
                 self._send_locked()
 
     # --- the trainer's thread ---
