@@ -10,7 +10,7 @@ DEMO_ROWS ?= 200000
 
 .PHONY: setup redis-server chromium demo test lint typecheck unit bench bench-full clean
 
-$(STAMP): pyproject.toml service/_frame.c service/schedule/_grid.c
+$(STAMP): pyproject.toml service/_frame.c service/schedule/_grid.c proto/_codec.c
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -e '.[dev]'

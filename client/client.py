@@ -737,13 +737,13 @@ class BatchClient:
     # --- arrays ---
 
     def _to_batch(self, d: codec.DecodedBatch) -> Batch:
+        device, pin = self._device, self._pin
         arrays: dict[str, Any] = {
             "input_ids": d.input_ids,
             "loss_mask": d.loss_mask,
             "lengths": d.lengths,
             "sample_ids": d.sample_ids,
         }
-        device, pin = self._device, self._pin
         if device is not None:
             arrays = _to_torch(arrays, device, pin)
 
@@ -751,16 +751,17 @@ class BatchClient:
             array = d.attention_mask(np.int8)
             return array if device is None else _to_torch({"mask": array}, device, pin)["mask"]
 
-        return Batch(
+        arrays.update(
             epoch=d.epoch,
             step=d.step,
             rank=d.rank,
             bucket=d.bucket,
             real_tokens=d.real_tokens,
             padded_tokens=d.padded_tokens,
+            extra={},
             _mask=mask,
-            **arrays,
         )
+        return Batch._make(arrays)
 
     # --- lifetime ---
 

@@ -17,13 +17,25 @@ import itertools
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Final, NamedTuple
+from typing import Any, Final, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
 from google.protobuf.message import DecodeError  # type: ignore[import-untyped]
 
 from ladle.proto import ladle_pb2 as pb
+
+
+def _compiled_codec() -> Any:
+    """The receive path's fast case in C (proto/_codec.c), or None: optional, the results are the same."""
+    try:
+        from ladle.proto import _codec  # type: ignore[attr-defined]
+    except ImportError:  # pragma: no cover - a build without a C compiler
+        return None
+    return _codec
+
+
+_codec_c: Any = _compiled_codec()
 
 __all__ = [
     "ALIGN",
@@ -80,12 +92,12 @@ class WireFormatError(ValueError):
     """A frame (or the arrays given to encode one) breaks the wire contract."""
 
 
-@dataclass(frozen=True, slots=True)
-class DecodedBatch:
+class DecodedBatch(NamedTuple):
     """One batch as received: header fields and zero-copy, read-only array views.
 
     The arrays share memory with the frame they were decoded from and keep it
-    alive; copy them (``np.array(x)``) to write to them.
+    alive; copy them (``np.array(x)``) to write to them. Immutable; a named
+    tuple because a trainer makes one a batch (1 us, a frozen dataclass 3).
     """
 
     epoch: int
@@ -459,6 +471,10 @@ def decode_frame(frame: bytes | bytearray | memoryview) -> Decoded:
     version or kind, a buffer with the wrong dtype, size, alignment or place,
     overlapping buffers, or lengths and counts that disagree with the shape.
     """
+    if _codec_c is not None:
+        fields = _codec_c.batch(frame)  # a batch frame as the server writes it, every check made in C
+        if fields is not None:
+            return _fast_batch(frame, *fields)
     size = len(frame)
     if size < PREFIX_BYTES:
         raise WireFormatError(f"frame of {size} bytes is shorter than its {PREFIX_BYTES}-byte prefix")
@@ -553,6 +569,40 @@ def _decode_batch(
         loss_mask=loss_mask.reshape(rows, padded_len),
         lengths=lengths,
         sample_ids=sample_ids,
+    )
+
+
+def _fast_batch(
+    frame: bytes | bytearray | memoryview,
+    epoch: int,
+    step: int,
+    rank: int,
+    bucket: int,
+    rows: int,
+    padded_len: int,
+    real_tokens: int,
+    schedule_fingerprint: str,
+    start: int,
+    sample_at: int,
+    lengths_at: int,
+    mask_at: int,
+) -> DecodedBatch:
+    """The batch ``_codec.batch`` read and checked: the views of its canonical layout."""
+    return DecodedBatch(
+        epoch=epoch,
+        step=step,
+        rank=rank,
+        bucket=bucket,
+        rows=rows,
+        padded_len=padded_len,
+        real_tokens=real_tokens,
+        padded_tokens=rows * padded_len,
+        schedule_fingerprint=schedule_fingerprint,
+        # np.ndarray over the frame: the view frombuffer and reshape make, in one call (0.4 against 1 us)
+        input_ids=np.ndarray((rows, padded_len), _I4, frame, start),
+        loss_mask=np.ndarray((rows, padded_len), _I1, frame, start + mask_at),
+        lengths=np.ndarray((rows,), _I4, frame, start + lengths_at),
+        sample_ids=np.ndarray((rows,), _I8, frame, start + sample_at),
     )
 
 

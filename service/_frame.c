@@ -16,6 +16,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
+#include <limits.h>
 #include <string.h>
 
 /* one prefetch a page: the hardware prefetcher follows a slice within a page by itself */
@@ -60,6 +61,84 @@ static int take_all(PyObject *list, Py_buffer **views, Py_ssize_t *n, const char
     return 0;
 }
 
+/* Check every row's slice against its chunk (before anything is copied); -1 with ValueError if one is outside. */
+static int check_slices(const Py_buffer *ids_src, Py_ssize_t n_ids, const Py_buffer *mask_src, Py_ssize_t n_mask,
+                        const int64_t *ic, const int64_t *mc, const int64_t *ia, const int64_t *ma,
+                        const int64_t *n, Py_ssize_t rows, Py_ssize_t width) {
+    for (Py_ssize_t r = 0; r < rows; r++) {
+        if (n[r] < 0 || n[r] > width || ic[r] < 0 || ic[r] >= n_ids || mc[r] < 0 || mc[r] >= n_mask ||
+            ia[r] < 0 || ma[r] < 0 || ia[r] > ids_src[ic[r]].len / 4 - n[r] ||
+            ma[r] > mask_src[mc[r]].len - n[r]) {
+            PyErr_Format(PyExc_ValueError, "frame: row %zd's slice lies outside its data chunk", r);
+            return -1;
+        }
+    }
+    return 0;
+}
+
+/* The frame's bytes: head, the padded tokens, gap, sample ids, lengths, the padded masks (checked slices). */
+static PyObject *copy_frame(const char *head, Py_ssize_t head_len, const char *gap, Py_ssize_t gap_len,
+                            const char *samples, const char *lens, const Py_buffer *ids_src,
+                            const Py_buffer *mask_src, const int64_t *ic, const int64_t *mc, const int64_t *ia,
+                            const int64_t *ma, const int64_t *n, Py_ssize_t rows, Py_ssize_t width, int pad) {
+    Py_ssize_t tokens = rows * width;
+    Py_ssize_t size = head_len + 4 * tokens + gap_len + 8 * rows + 4 * rows + tokens;
+    PyObject *out = PyBytes_FromStringAndSize(NULL, size);
+    if (!out) return NULL;
+    char *at = PyBytes_AS_STRING(out);
+    Py_BEGIN_ALLOW_THREADS
+    /* The rows sit in the page cache, 4 KiB pages scattered in physical memory, and the
+       hardware prefetcher stops at every page boundary: ask for every page of every slice
+       first, so their misses overlap, then copy (the frame 53 -> 43 us in one process, its
+       assembly in the server 96-106 -> 87-90 us; docs/serving.md). */
+    for (Py_ssize_t r = 0; r < rows; r++) {
+        const char *src = (const char *)ids_src[ic[r]].buf + ia[r] * 4;
+        for (Py_ssize_t o = 0; o < n[r] * 4; o += PREFETCH_STRIDE) PREFETCH(src + o);
+        if (n[r]) PREFETCH(src + n[r] * 4 - 1); /* the last page, when the slice starts late in one */
+        const char *msrc = (const char *)mask_src[mc[r]].buf + ma[r];
+        for (Py_ssize_t o = 0; o < n[r]; o += PREFETCH_STRIDE) PREFETCH(msrc + o);
+        if (n[r]) PREFETCH(msrc + n[r] - 1);
+    }
+    memcpy(at, head, (size_t)head_len);
+    at += head_len;
+    uint8_t padb[4] = {(uint8_t)(pad & 0xff), (uint8_t)((pad >> 8) & 0xff), (uint8_t)((pad >> 16) & 0xff),
+                       (uint8_t)((pad >> 24) & 0xff)};  /* little-endian int32 */
+    for (Py_ssize_t r = 0; r < rows; r++) {
+        memcpy(at, (const char *)ids_src[ic[r]].buf + ia[r] * 4, (size_t)n[r] * 4);
+        char *p = at + n[r] * 4, *end = at + width * 4;
+        if (pad == 0) {
+            memset(p, 0, (size_t)(end - p));
+        } else {
+            for (; p < end; p += 4) memcpy(p, padb, 4);
+        }
+        at = end;
+    }
+    memcpy(at, gap, (size_t)gap_len);
+    at += gap_len;
+    memcpy(at, samples, (size_t)(8 * rows));
+    at += 8 * rows;
+    memcpy(at, lens, (size_t)(4 * rows));
+    at += 4 * rows;
+    for (Py_ssize_t r = 0; r < rows; r++) {
+        memcpy(at, (const char *)mask_src[mc[r]].buf + ma[r], (size_t)n[r]);
+        memset(at + n[r], 0, (size_t)(width - n[r]));
+        at += width;
+    }
+    Py_END_ALLOW_THREADS
+    return out;
+}
+
+static void release_chunks(Py_buffer *ids_src, Py_ssize_t n_ids, Py_buffer *mask_src, Py_ssize_t n_mask) {
+    if (ids_src) {
+        release_all(ids_src, n_ids);
+        PyMem_Free(ids_src);
+    }
+    if (mask_src) {
+        release_all(mask_src, n_mask);
+        PyMem_Free(mask_src);
+    }
+}
+
 static PyObject *frame(PyObject *self, PyObject *args) {
     Py_buffer head = {0}, gap = {0}, samples = {0}, lens = {0};
     Py_buffer ids_chunk = {0}, mask_chunk = {0}, ids_at = {0}, mask_at = {0}, cut = {0};
@@ -83,68 +162,11 @@ static PyObject *frame(PyObject *self, PyObject *args) {
     if (take_all(mask_list, &mask_src, &n_mask, "mask_chunks") < 0) goto done;
     const int64_t *ic = ids_chunk.buf, *mc = mask_chunk.buf, *ia = ids_at.buf, *ma = mask_at.buf,
                   *n = cut.buf;
-    /* check every slice before copying anything */
-    for (Py_ssize_t r = 0; r < rows; r++) {
-        if (n[r] < 0 || n[r] > width || ic[r] < 0 || ic[r] >= n_ids || mc[r] < 0 || mc[r] >= n_mask ||
-            ia[r] < 0 || ma[r] < 0 || ia[r] > ids_src[ic[r]].len / 4 - n[r] ||
-            ma[r] > mask_src[mc[r]].len - n[r]) {
-            PyErr_Format(PyExc_ValueError, "frame: row %zd's slice lies outside its data chunk", r);
-            goto done;
-        }
-    }
-    Py_ssize_t tokens = rows * width;
-    Py_ssize_t size = head.len + 4 * tokens + gap.len + samples.len + lens.len + tokens;
-    out = PyBytes_FromStringAndSize(NULL, size);
-    if (!out) goto done;
-    char *at = PyBytes_AS_STRING(out);
-    Py_BEGIN_ALLOW_THREADS
-    /* The rows sit in the page cache, 4 KiB pages scattered in physical memory, and the
-       hardware prefetcher stops at every page boundary: ask for every page of every slice
-       first, so their misses overlap, then copy (the frame 53 -> 43 us in one process, its
-       assembly in the server 96-106 -> 87-90 us; docs/serving.md). */
-    for (Py_ssize_t r = 0; r < rows; r++) {
-        const char *src = (const char *)ids_src[ic[r]].buf + ia[r] * 4;
-        for (Py_ssize_t o = 0; o < n[r] * 4; o += PREFETCH_STRIDE) PREFETCH(src + o);
-        if (n[r]) PREFETCH(src + n[r] * 4 - 1); /* the last page, when the slice starts late in one */
-        const char *msrc = (const char *)mask_src[mc[r]].buf + ma[r];
-        for (Py_ssize_t o = 0; o < n[r]; o += PREFETCH_STRIDE) PREFETCH(msrc + o);
-        if (n[r]) PREFETCH(msrc + n[r] - 1);
-    }
-    memcpy(at, head.buf, head.len);
-    at += head.len;
-    uint8_t padb[4] = {(uint8_t)(pad & 0xff), (uint8_t)((pad >> 8) & 0xff), (uint8_t)((pad >> 16) & 0xff),
-                       (uint8_t)((pad >> 24) & 0xff)};  /* little-endian int32 */
-    for (Py_ssize_t r = 0; r < rows; r++) {
-        memcpy(at, (const char *)ids_src[ic[r]].buf + ia[r] * 4, (size_t)n[r] * 4);
-        char *p = at + n[r] * 4, *end = at + width * 4;
-        if (pad == 0) {
-            memset(p, 0, (size_t)(end - p));
-        } else {
-            for (; p < end; p += 4) memcpy(p, padb, 4);
-        }
-        at = end;
-    }
-    memcpy(at, gap.buf, gap.len);
-    at += gap.len;
-    memcpy(at, samples.buf, samples.len);
-    at += samples.len;
-    memcpy(at, lens.buf, lens.len);
-    at += lens.len;
-    for (Py_ssize_t r = 0; r < rows; r++) {
-        memcpy(at, (const char *)mask_src[mc[r]].buf + ma[r], (size_t)n[r]);
-        memset(at + n[r], 0, (size_t)(width - n[r]));
-        at += width;
-    }
-    Py_END_ALLOW_THREADS
+    if (check_slices(ids_src, n_ids, mask_src, n_mask, ic, mc, ia, ma, n, rows, width) < 0) goto done;
+    out = copy_frame(head.buf, head.len, gap.buf, gap.len, samples.buf, lens.buf, ids_src, mask_src, ic, mc,
+                     ia, ma, n, rows, width, pad);
 done:
-    if (ids_src) {
-        release_all(ids_src, n_ids);
-        PyMem_Free(ids_src);
-    }
-    if (mask_src) {
-        release_all(mask_src, n_mask);
-        PyMem_Free(mask_src);
-    }
+    release_chunks(ids_src, n_ids, mask_src, n_mask);
     PyBuffer_Release(&head);
     PyBuffer_Release(&gap);
     PyBuffer_Release(&samples);
@@ -167,31 +189,17 @@ static Py_ssize_t chunk_of(const int64_t *first, Py_ssize_t n, int64_t row) {
     return lo;
 }
 
+/* The plan's arrays of a batch of `n` rows, laid end to end in one buffer of n * PLAN_ROW bytes. */
+#define PLAN_ROW (5 * 8 + 4)
+
 /*
- * plan(rows, width, offsets, ids_first, ids_delta, mask_first, mask_delta) -> (bytes, real_tokens)
- *
- * What `frame` needs to know of each row, in one pass and without a numpy
- * call: five int64 arrays (each row's length cut to `width`, the chunks of
- * its tokens and mask, and where they start in those chunks' values) and the
- * int32 lengths, laid end to end, and the sum of the cut lengths. Every row
- * must lie in [0, len(offsets) - 1): the first one outside is named.
+ * Each row's length cut to `width`, the chunks of its tokens and mask and where they start, and
+ * the int32 lengths, into `out` (n * PLAN_ROW bytes); the sum of the cut lengths, or -1 with
+ * ValueError naming the first row outside [0, num_rows).
  */
-static PyObject *plan(PyObject *self, PyObject *args) {
-    Py_buffer rows = {0}, offsets = {0}, ids_first = {0}, ids_delta = {0}, mask_first = {0}, mask_delta = {0};
-    Py_ssize_t width;
-    PyObject *out = NULL, *result = NULL;
-    if (!PyArg_ParseTuple(args, "y*ny*y*y*y*y*", &rows, &width, &offsets, &ids_first, &ids_delta,
-                          &mask_first, &mask_delta))
-        return NULL;
-    Py_ssize_t n = rows.len / 8, num_rows = offsets.len / 8 - 1;
-    Py_ssize_t n_ids = ids_first.len / 8, n_mask = mask_first.len / 8;
-    if (n < 1 || rows.len != n * 8 || num_rows < 1 || width < 1 || n_ids < 1 || n_mask < 1 ||
-        ids_delta.len != ids_first.len || mask_delta.len != mask_first.len) {
-        PyErr_SetString(PyExc_ValueError, "plan: the row, offset and chunk arrays do not agree");
-        goto done;
-    }
-    const int64_t *r = rows.buf, *off = offsets.buf, *idf = ids_first.buf, *idd = ids_delta.buf,
-                  *mf = mask_first.buf, *md = mask_delta.buf;
+static long long plan_rows(const int64_t *r, Py_ssize_t n, Py_ssize_t width, const int64_t *off,
+                           Py_ssize_t num_rows, const int64_t *idf, Py_ssize_t n_ids, const int64_t *idd,
+                           const int64_t *mf, Py_ssize_t n_mask, const int64_t *md, char *out) {
     int64_t low = r[0], high = r[0];
     for (Py_ssize_t i = 1; i < n; i++) {
         if (r[i] < low) low = r[i];
@@ -200,11 +208,9 @@ static PyObject *plan(PyObject *self, PyObject *args) {
     if (low < 0 || high >= num_rows) {
         PyErr_Format(PyExc_ValueError, "row %lld is outside the dataset's rows [0, %zd)",
                      (long long)(low < 0 ? low : high), num_rows);
-        goto done;
+        return -1;
     }
-    out = PyBytes_FromStringAndSize(NULL, n * (5 * 8 + 4));
-    if (!out) goto done;
-    int64_t *cut = (int64_t *)PyBytes_AS_STRING(out), *ic = cut + n, *mc = ic + n, *ia = mc + n, *ma = ia + n;
+    int64_t *cut = (int64_t *)out, *ic = cut + n, *mc = ic + n, *ia = mc + n, *ma = ia + n;
     int32_t *lens = (int32_t *)(ma + n);
     long long real = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
@@ -217,15 +223,261 @@ static PyObject *plan(PyObject *self, PyObject *args) {
         lens[i] = (int32_t)cut[i];
         real += cut[i];
     }
-    result = Py_BuildValue("(OL)", out, real);
+    return real;
+}
+
+/* The dataset's tables as `plan` and `build` take them, checked to agree. */
+typedef struct {
+    Py_buffer offsets, ids_first, ids_delta, mask_first, mask_delta;
+} Tables;
+
+static void release_tables(Tables *t) {
+    PyBuffer_Release(&t->offsets);
+    PyBuffer_Release(&t->ids_first);
+    PyBuffer_Release(&t->ids_delta);
+    PyBuffer_Release(&t->mask_first);
+    PyBuffer_Release(&t->mask_delta);
+}
+
+static int tables_agree(const Tables *t) {
+    return t->offsets.len / 8 - 1 >= 1 && t->ids_first.len / 8 >= 1 && t->mask_first.len / 8 >= 1 &&
+           t->ids_delta.len == t->ids_first.len && t->mask_delta.len == t->mask_first.len;
+}
+
+static long long plan_with(const Tables *t, const int64_t *rows, Py_ssize_t n, Py_ssize_t width, char *out) {
+    return plan_rows(rows, n, width, t->offsets.buf, t->offsets.len / 8 - 1, t->ids_first.buf,
+                     t->ids_first.len / 8, t->ids_delta.buf, t->mask_first.buf, t->mask_first.len / 8,
+                     t->mask_delta.buf, out);
+}
+
+/*
+ * plan(rows, width, offsets, ids_first, ids_delta, mask_first, mask_delta) -> (bytes, real_tokens)
+ *
+ * What `frame` needs to know of each row, in one pass and without a numpy
+ * call: five int64 arrays (each row's length cut to `width`, the chunks of
+ * its tokens and mask, and where they start in those chunks' values) and the
+ * int32 lengths, laid end to end, and the sum of the cut lengths. Every row
+ * must lie in [0, len(offsets) - 1): the first one outside is named.
+ */
+static PyObject *plan(PyObject *self, PyObject *args) {
+    Py_buffer rows = {0};
+    Tables t = {0};
+    Py_ssize_t width;
+    PyObject *out = NULL, *result = NULL;
+    if (!PyArg_ParseTuple(args, "y*ny*y*y*y*y*", &rows, &width, &t.offsets, &t.ids_first, &t.ids_delta,
+                          &t.mask_first, &t.mask_delta))
+        return NULL;
+    Py_ssize_t n = rows.len / 8;
+    if (n < 1 || rows.len != n * 8 || width < 1 || !tables_agree(&t)) {
+        PyErr_SetString(PyExc_ValueError, "plan: the row, offset and chunk arrays do not agree");
+        goto done;
+    }
+    out = PyBytes_FromStringAndSize(NULL, n * PLAN_ROW);
+    if (!out) goto done;
+    long long real = plan_with(&t, rows.buf, n, width, PyBytes_AS_STRING(out));
+    if (real >= 0) result = Py_BuildValue("(OL)", out, real);
 done:
     Py_XDECREF(out);
     PyBuffer_Release(&rows);
-    PyBuffer_Release(&offsets);
-    PyBuffer_Release(&ids_first);
-    PyBuffer_Release(&ids_delta);
-    PyBuffer_Release(&mask_first);
-    PyBuffer_Release(&mask_delta);
+    release_tables(&t);
+    return result;
+}
+
+/* ---- the frame header (ladle.proto's FrameHeader with a BatchHeader), as protobuf writes it ---- */
+
+#define WIRE_VERSION 1
+#define ALIGN 8
+#define MAX_FINGERPRINT 64
+#define U32_MAX 0xffffffffULL
+/* FrameHeader: prefix (4), version (2), batch tag (1) and length (2), a BatchHeader of at most
+   8 varints of 11 bytes, the fingerprint (2 + 64) and 4 Buffers of (2 + 3 x 11): 351, padded */
+#define MAX_HEAD 368
+enum { DTYPE_INT8 = 1, DTYPE_INT32 = 2, DTYPE_INT64 = 3 };
+
+static uint8_t *put_varint(uint8_t *p, uint64_t v) {
+    while (v >= 0x80) {
+        *p++ = (uint8_t)(v | 0x80);
+        v >>= 7;
+    }
+    *p++ = (uint8_t)v;
+    return p;
+}
+
+/* A varint field (wire type 0), left out when 0 as proto3 does; fields here are all < 16. */
+static uint8_t *put_field(uint8_t *p, int field, uint64_t v) {
+    if (!v) return p;
+    *p++ = (uint8_t)(field << 3);
+    return put_varint(p, v);
+}
+
+/* A length-delimited field (wire type 2) whose body is [body, end). */
+static uint8_t *put_bytes(uint8_t *p, int field, const uint8_t *body, size_t len) {
+    *p++ = (uint8_t)(field << 3 | 2);
+    p = put_varint(p, len);
+    memcpy(p, body, len);
+    return p + len;
+}
+
+static uint8_t *put_buffer(uint8_t *p, int field, int dtype, uint64_t offset, uint64_t length) {
+    uint8_t body[3 * 11], *q = body;
+    q = put_field(q, 1, (uint64_t)dtype);
+    q = put_field(q, 2, offset);
+    q = put_field(q, 3, length);
+    return put_bytes(p, field, body, (size_t)(q - body));
+}
+
+static Py_ssize_t align8(Py_ssize_t n) { return (n + ALIGN - 1) / ALIGN * ALIGN; }
+
+/*
+ * The frame's bytes before input_ids into `head` (prefix, header, zero pad to 8; its length
+ * returned) and the zero gap before sample_ids (*gap_len): codec.batch_frame_head's bytes.
+ */
+static Py_ssize_t encode_head(uint8_t *head, Py_ssize_t *gap_len, uint64_t epoch, uint64_t step, uint64_t rank,
+                              uint64_t bucket, const char *fp, Py_ssize_t fp_len, Py_ssize_t rows,
+                              Py_ssize_t width, long long real) {
+    uint64_t tokens = (uint64_t)rows * (uint64_t)width;
+    uint64_t sample_at = (uint64_t)align8((Py_ssize_t)(4 * tokens));
+    uint64_t lengths_at = sample_at + 8 * (uint64_t)rows, mask_at = lengths_at + 4 * (uint64_t)rows;
+    uint8_t batch[MAX_HEAD], *b = batch;
+    b = put_field(b, 1, epoch);
+    b = put_field(b, 2, step);
+    b = put_field(b, 3, rank);
+    b = put_field(b, 4, bucket);
+    b = put_field(b, 5, (uint64_t)rows);
+    b = put_field(b, 6, (uint64_t)width);
+    b = put_field(b, 7, (uint64_t)real);
+    b = put_field(b, 8, tokens);
+    if (fp_len) b = put_bytes(b, 9, (const uint8_t *)fp, (size_t)fp_len);
+    b = put_field(b, 10, mask_at + tokens);
+    b = put_buffer(b, 11, DTYPE_INT32, 0, 4 * tokens);
+    b = put_buffer(b, 12, DTYPE_INT8, mask_at, tokens);
+    b = put_buffer(b, 13, DTYPE_INT32, lengths_at, 4 * (uint64_t)rows);
+    b = put_buffer(b, 14, DTYPE_INT64, sample_at, 8 * (uint64_t)rows);
+    uint8_t *p = head + 4;
+    p = put_field(p, 1, WIRE_VERSION);
+    p = put_bytes(p, 2, batch, (size_t)(b - batch));
+    uint32_t header_len = (uint32_t)(p - head - 4);
+    head[0] = (uint8_t)header_len; /* the prefix: little-endian uint32 */
+    head[1] = (uint8_t)(header_len >> 8);
+    head[2] = (uint8_t)(header_len >> 16);
+    head[3] = (uint8_t)(header_len >> 24);
+    Py_ssize_t used = p - head, total = align8(used);
+    memset(p, 0, (size_t)(total - used));
+    *gap_len = (Py_ssize_t)(sample_at - 4 * tokens);
+    return total;
+}
+
+/* `obj` (a Python int, not a bool) as an integer in [low, high]; -1 with an exception if not. Other
+   integer types (numpy's) are the checked path's to convert. */
+static int as_int(PyObject *obj, long long low, unsigned long long high, long long *out) {
+    if (!PyLong_Check(obj) || PyBool_Check(obj)) {
+        PyErr_SetString(PyExc_TypeError, "not a Python int");
+        return -1;
+    }
+    int overflow;
+    long long v = PyLong_AsLongLongAndOverflow(obj, &overflow);
+    if (overflow > 0 && high > (unsigned long long)LLONG_MAX) { /* above 2**63 - 1: a uint64 field */
+        unsigned long long u = PyLong_AsUnsignedLongLong(obj);
+        if (u == (unsigned long long)-1 && PyErr_Occurred()) return -1;
+        *out = (long long)u; /* the caller reads it back as uint64 */
+        return 0;
+    }
+    if (overflow || (v == -1 && PyErr_Occurred()) || v < low || (v >= 0 && (unsigned long long)v > high)) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_OverflowError, "field out of range");
+        return -1;
+    }
+    *out = v;
+    return 0;
+}
+
+/* A 1-D C-contiguous int64 array of at least one row, or -1 with TypeError / ValueError. */
+static int take_rows(PyObject *obj, Py_buffer *view) {
+    if (PyObject_GetBuffer(obj, view, PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) < 0) {
+        PyErr_Clear(); /* a list, a strided view (BufferError): the checked path converts them */
+        PyErr_SetString(PyExc_TypeError, "rows must be a 1-D int64 array");
+        return -1;
+    }
+    const char *f = view->format ? view->format : "B";
+    if (*f == '<' || *f == '=' || *f == '@') f++;
+    if (view->ndim != 1 || view->itemsize != 8 || !((f[0] == 'l' || f[0] == 'q') && f[1] == 0)) {
+        PyBuffer_Release(view);
+        PyErr_SetString(PyExc_TypeError, "rows must be a 1-D int64 array");
+        return -1;
+    }
+    if (view->len < 8) {
+        PyBuffer_Release(view);
+        PyErr_SetString(PyExc_ValueError, "a batch needs at least one row");
+        return -1;
+    }
+    return 0;
+}
+
+/*
+ * build(epoch, step, rank, bucket, fingerprint, rows, width, pad, offsets, ids_first, ids_delta,
+ *       mask_first, mask_delta, ids_chunks, mask_chunks) -> (frame, real_tokens, rows)
+ *
+ * `plan`, codec.batch_frame_head and `frame` in one call: the whole batch frame of `rows` (a 1-D
+ * int64 array) with no Python in between. Raises TypeError, ValueError or OverflowError for
+ * anything the checked path would refuse (Assembler.frame then takes that path, which names what
+ * is wrong); the bytes are the checked path's (tested).
+ */
+static PyObject *build(PyObject *self, PyObject *args) {
+    PyObject *epoch_o, *step_o, *rank_o, *bucket_o, *fp_o, *rows_o, *width_o, *pad_o, *ids_list, *mask_list;
+    Tables t = {0};
+    if (!PyArg_ParseTuple(args, "OOOOUOOOy*y*y*y*y*OO", &epoch_o, &step_o, &rank_o, &bucket_o, &fp_o, &rows_o,
+                          &width_o, &pad_o, &t.offsets, &t.ids_first, &t.ids_delta, &t.mask_first,
+                          &t.mask_delta, &ids_list, &mask_list))
+        return NULL;
+    Py_buffer rows = {0};
+    Py_buffer *ids_src = NULL, *mask_src = NULL;
+    Py_ssize_t n_ids = 0, n_mask = 0;
+    char *plan_buf = NULL;
+    PyObject *out = NULL, *result = NULL;
+    long long epoch, step, rank, bucket, width_ll, pad_ll;
+    if (as_int(epoch_o, 0, ~0ULL, &epoch) < 0 || as_int(step_o, 0, ~0ULL, &step) < 0 ||
+        as_int(rank_o, 0, U32_MAX, &rank) < 0 || as_int(bucket_o, 0, U32_MAX, &bucket) < 0 ||
+        as_int(width_o, 1, U32_MAX, &width_ll) < 0 || as_int(pad_o, INT32_MIN, INT32_MAX, &pad_ll) < 0)
+        goto done;
+    Py_ssize_t width = (Py_ssize_t)width_ll;
+    int pad = (int)pad_ll;
+    Py_ssize_t fp_len;
+    const char *fp = PyUnicode_AsUTF8AndSize(fp_o, &fp_len);
+    if (!fp) goto done;
+    if (fp_len > MAX_FINGERPRINT) {
+        PyErr_SetString(PyExc_ValueError, "schedule_fingerprint too long");
+        goto done;
+    }
+    if (take_rows(rows_o, &rows) < 0) goto done;
+    Py_ssize_t n = rows.len / 8;
+    if ((unsigned long long)n > U32_MAX ||
+        width > PY_SSIZE_T_MAX / 5 / n || !tables_agree(&t)) {
+        PyErr_SetString(PyExc_ValueError, "build: the rows, width and tables do not agree");
+        goto done;
+    }
+    plan_buf = PyMem_Malloc((size_t)(n * PLAN_ROW));
+    if (!plan_buf) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    long long real = plan_with(&t, rows.buf, n, width, plan_buf);
+    if (real < 0) goto done;
+    if (take_all(ids_list, &ids_src, &n_ids, "ids_chunks") < 0) goto done;
+    if (take_all(mask_list, &mask_src, &n_mask, "mask_chunks") < 0) goto done;
+    const int64_t *cut = (const int64_t *)plan_buf, *ic = cut + n, *mc = ic + n, *ia = mc + n, *ma = ia + n;
+    const char *lens = (const char *)(ma + n);
+    if (check_slices(ids_src, n_ids, mask_src, n_mask, ic, mc, ia, ma, cut, n, width) < 0) goto done;
+    uint8_t head[MAX_HEAD];
+    static const char zeros[ALIGN] = {0};
+    Py_ssize_t gap_len, head_len = encode_head(head, &gap_len, (uint64_t)epoch, (uint64_t)step, (uint64_t)rank, (uint64_t)bucket, fp, fp_len, n, width, real);
+    out = copy_frame((const char *)head, head_len, zeros, gap_len, rows.buf, lens, ids_src, mask_src, ic, mc, ia,
+                     ma, cut, n, width, pad);
+    if (out) result = Py_BuildValue("(OLn)", out, real, n);
+done:
+    Py_XDECREF(out);
+    PyMem_Free(plan_buf);
+    release_chunks(ids_src, n_ids, mask_src, n_mask);
+    if (rows.obj) PyBuffer_Release(&rows);
+    release_tables(&t);
     return result;
 }
 
@@ -236,6 +488,10 @@ static PyMethodDef methods[] = {
     {"plan", plan, METH_VARARGS,
      "plan(rows, width, offsets, ids_first, ids_delta, mask_first, mask_delta) -> (bytes, real_tokens): "
      "each row's cut length, chunks and starts (five int64 arrays) and the int32 lengths, end to end"},
+    {"build", build, METH_VARARGS,
+     "build(epoch, step, rank, bucket, fingerprint, rows, width, pad, offsets, ids_first, ids_delta, "
+     "mask_first, mask_delta, ids_chunks, mask_chunks) -> (frame, real_tokens, rows): plan, header and "
+     "frame in one call"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -45,6 +45,8 @@ def _compiled_frame() -> Any:
 
 
 _frame_c: Any = _compiled_frame()
+# plan, header and copy in one call (tests switch it off to compare it with the checked path)
+_build: Any = getattr(_frame_c, "build", None)
 
 __all__ = ["Assembler", "BatchBuffers", "BatchFrame", "BatchPieces", "Prefetcher"]
 
@@ -319,6 +321,14 @@ class Assembler:
         # byte pieces go to the wire as they are (little-endian int32 ids, int8 masks)
         self._wire_bytes = self._byte_copy and sys.byteorder == "little"
         self._ids_bytes = [_byte_view(v) for v in self._ids]
+        # what the compiled plan reads of each row: its offsets, and its chunks' first rows and deltas
+        self._tables = (
+            self._offsets,
+            self._ids_first_rows,
+            self._ids_delta,
+            self._mask_first_rows,
+            self._mask_delta,
+        )
         self._mask_bytes = [_byte_view(m) for m in self._mask]
         self._pad_lock = threading.Lock()
         self._pad_rows: dict[int, memoryview] = {}
@@ -425,6 +435,25 @@ class Assembler:
         either way (tested). Raises as ``pieces``, and ``WireFormatError`` as
         ``encode_batch_pieces``.
         """
+        if _build is not None and self._wire_bytes:
+            self._check_files()  # before any token page is read
+            try:  # plan, header and copy in one call: no Python between them
+                data, real_tokens, count = _build(
+                    epoch,
+                    step,
+                    rank,
+                    bucket,
+                    schedule_fingerprint,
+                    rows,
+                    padded_len,
+                    pad_id,
+                    *self._tables,
+                    self._ids_bytes,
+                    self._mask_bytes,
+                )
+                return BatchFrame(data, real_tokens, count)
+            except (TypeError, ValueError, OverflowError):
+                pass  # not an int64 row array, or a bad field: the checked path converts or names it
         fields: dict[str, Any] = {
             "epoch": epoch,
             "step": step,
@@ -448,15 +477,7 @@ class Assembler:
         count = len(row_ids)
         if count:
             row_ids = np.ascontiguousarray(row_ids)
-            plan, real_tokens = _frame_c.plan(
-                row_ids,
-                width,
-                self._offsets,
-                self._ids_first_rows,
-                self._ids_delta,
-                self._mask_first_rows,
-                self._mask_delta,
-            )
+            plan, real_tokens = _frame_c.plan(row_ids, width, *self._tables)
         else:
             plan, real_tokens = b"", 0  # batch_frame_head refuses an empty batch
         head, gap = codec.batch_frame_head(**fields, rows=count, padded_len=width, real_tokens=real_tokens)

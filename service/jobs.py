@@ -207,13 +207,14 @@ class Job:
         sched = self.schedule(position.epoch)
         if position.step == 0 or position.step == sched.num_steps // 2:
             self.warm(position.epoch + 1)
+        rows, padded_len, bucket = sched.batch(position.step, rank)
         return BatchRef(
             epoch=position.epoch,
             step=position.step,
             rank=rank,
-            bucket=sched.bucket(position.step, rank),
-            rows=sched.samples(position.step, rank),
-            padded_len=sched.padded_len(position.step, rank),
+            bucket=bucket,
+            rows=rows,
+            padded_len=padded_len,
             steps_in_epoch=sched.num_steps,
         )
 

@@ -109,9 +109,18 @@ class Schedule:
 
     def samples(self, step: int, rank: int) -> I64:
         """Row indices of the batch of ``rank`` at ``step``, in row order."""
-        b = self._batch(step, rank)
+        return self._samples(self._batch(step, rank))
+
+    def _samples(self, b: int) -> I64:
         start = int(self._packed.start[b])
-        return np.sort(self._packed.rows[start : start + int(self._packed.size[b])]).astype(np.int64)
+        rows: I64 = self._packed.rows[start : start + int(self._packed.size[b])].astype(np.int64)
+        rows.sort()  # in place, on the copy: np.sort would copy again
+        return rows
+
+    def batch(self, step: int, rank: int) -> tuple[I64, int, int]:
+        """``samples``, ``padded_len`` and ``bucket`` of one batch, with one lookup (the server's)."""
+        b = self._batch(step, rank)
+        return self._samples(b), int(self._packed.padded_len[b]), int(self.buckets[step, rank])
 
     def lengths(self, step: int, rank: int) -> I64:
         """Cut lengths of ``samples(step, rank)``, in the same order."""

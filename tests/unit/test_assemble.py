@@ -391,6 +391,7 @@ def test_property_matches_reference(
 def test_the_compiled_frame_is_built_here() -> None:
     """Where a C compiler is (CI, development), the fast path is built and is the one tested."""
     assert assemble._frame_c is not None, "service/_frame.c was not built (pip install -e . with gcc)"
+    assert assemble._build is not None, "service/_frame.c is an old build without build()"
 
 
 def test_frame_without_the_extension(synth: TokenDataset, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -857,3 +858,86 @@ def test_prefetcher_stops_cleanly_and_closes(synth: TokenDataset) -> None:
 def test_prefetcher_arguments(synth: TokenDataset, depth: int, workers: int) -> None:
     with pytest.raises(ValueError, match=r"depth|workers"):
         Prefetcher(Assembler(synth), [], depth=depth, workers=workers)
+
+
+def frame_checked(asm: Assembler, rows: Any, padded_len: Any, pad_id: Any, **fields: Any) -> Any:
+    """``Assembler.frame`` through its checked path (plan, ``codec.batch_frame_head``, copy), or its error."""
+    build, assemble._build = assemble._build, None
+    try:
+        return asm.frame(rows, padded_len, pad_id=pad_id, **fields)
+    except (ValueError, codec.WireFormatError) as exc:
+        return type(exc), str(exc)
+    finally:
+        assemble._build = build
+
+
+@pytest.mark.skipif(assemble._frame_c is None, reason="the compiled frame is not built")
+@given(
+    picks=st.lists(st.integers(0, 3999), min_size=1, max_size=40),
+    width=st.integers(1, 700),
+    pad_id=st.sampled_from([0, -1, 7, 2**31 - 1, -(2**31)]),
+    epoch=st.sampled_from([0, 1, 2**32, 2**63, 2**64 - 1]),
+    step=st.sampled_from([0, 70000, 2**64 - 1]),
+    rank=st.sampled_from([0, 1, 2**32 - 1]),
+    bucket=st.sampled_from([0, 2, 2**32 - 1]),
+    fingerprint=st.text(max_size=20).filter(lambda t: len(t.encode()) <= codec.MAX_FINGERPRINT_BYTES),
+)
+@settings(max_examples=80, deadline=None)
+def test_the_one_call_frame_is_the_checked_one(
+    synth: TokenDataset,
+    picks: list[int],
+    width: int,
+    pad_id: int,
+    epoch: int,
+    step: int,
+    rank: int,
+    bucket: int,
+    fingerprint: str,
+) -> None:
+    """``_frame.build`` (plan, header and copy in one call) writes the checked path's bytes."""
+    asm = Assembler(synth)
+    rows = np.array(picks, dtype=np.int64)
+    fields: dict[str, Any] = {"epoch": epoch, "step": step, "rank": rank, "bucket": bucket}
+    fields["schedule_fingerprint"] = fingerprint
+    got = asm.frame(rows, width, pad_id=pad_id, **fields)
+    assert got == frame_checked(asm, rows, width, pad_id, **fields)
+    head, _ = codec.batch_frame_head(rows=len(rows), padded_len=width, real_tokens=got.real_tokens, **fields)
+    assert got.data.startswith(head)
+
+
+@pytest.mark.skipif(assemble._frame_c is None, reason="the compiled frame is not built")
+@pytest.mark.parametrize(
+    ("rows", "change"),
+    [
+        ([1, 2], {"rank": -1}),  # out of a field's range: the checked path names it
+        ([1, 2], {"epoch": 2**64}),
+        ([1, 2], {"bucket": True}),
+        ([1, 2], {"schedule_fingerprint": "x" * 65}),
+        ([1, 2], {"schedule_fingerprint": b"bytes"}),
+        ([1, 2], {"padded_len": 0}),
+        ([1, 2], {"padded_len": 2**32}),
+        ([1, 2], {"pad_id": 2**31}),
+        ([4000], {}),  # a row outside the dataset
+        ([-1, 3], {}),
+        ([], {}),  # no rows
+        ([1.5], {}),
+        ([[1, 2]], {}),
+        # what the fast case does not take but the checked path converts: the same frame
+        ([1, 2], {"epoch": np.uint64(5), "padded_len": np.int32(9), "pad_id": np.int16(-2)}),
+        (np.array([3, 1, 2], dtype=np.int32), {}),
+        (np.arange(12, dtype=np.int64)[::3], {}),
+        ([5, 9], {}),
+    ],
+)
+def test_the_one_call_frame_refuses_or_converts_as_the_checked_one(
+    synth: TokenDataset, rows: Any, change: dict[str, Any]
+) -> None:
+    asm = Assembler(synth)
+    args: dict[str, Any] = {**FIELDS, "padded_len": 8, "pad_id": 0, **change}
+    padded_len, pad_id = args.pop("padded_len"), args.pop("pad_id")
+    expected = frame_checked(asm, rows, padded_len, pad_id, **args)
+    try:
+        got: Any = asm.frame(rows, padded_len, pad_id=pad_id, **args)
+    except (ValueError, codec.WireFormatError) as exc:
+        got = type(exc), str(exc)
+    assert got == expected

@@ -22,6 +22,7 @@ import json
 import math
 import os
 import pickle
+import shutil
 import struct
 from collections.abc import Mapping
 from pathlib import Path
@@ -489,3 +490,117 @@ def test_valid_frames_decode_from_every_buffer_type(frame: bytes) -> None:
         decoded = codec.decode_frame(view)
         if isinstance(view, bytes):
             check_decoded(frame, decoded)
+
+
+# ------------------------------------------------------------------ the compiled decoder (proto/_codec.c)
+
+
+def decode_in_python(frame: bytes | bytearray | memoryview) -> codec.Decoded | WireFormatError:
+    """What codec's Python decoder makes of ``frame`` (the compiled fast case switched off), or its error."""
+    compiled, codec._codec_c = codec._codec_c, None
+    try:
+        return codec.decode_frame(frame)
+    except WireFormatError as exc:
+        return exc
+    finally:
+        codec._codec_c = compiled
+
+
+def assert_same_decoding(frame: bytes) -> None:
+    """The compiled fast case takes only frames the Python decoder reads, and reads them the same."""
+    if codec._codec_c is None:
+        pytest.skip("the compiled codec is not built")
+    fields = codec._codec_c.batch(frame)
+    expected = decode_in_python(frame)
+    if fields is None:  # left to the Python decoder: decode_frame gives exactly its answer
+        try:
+            got: codec.Decoded | WireFormatError = codec.decode_frame(frame)
+        except WireFormatError as exc:
+            got = exc
+        assert type(got) is type(expected)
+        assert str(got) == str(expected) if isinstance(got, WireFormatError) else True
+        return
+    assert isinstance(expected, codec.DecodedBatch), f"C read a frame Python refuses: {expected!r}"
+    got_batch = codec.decode_frame(frame)
+    assert isinstance(got_batch, codec.DecodedBatch)
+    for name in codec.DecodedBatch._fields:
+        mine, theirs = getattr(got_batch, name), getattr(expected, name)
+        if isinstance(theirs, np.ndarray):
+            assert mine.dtype == theirs.dtype, name
+            assert mine.shape == theirs.shape, name
+            assert mine.ctypes.data == theirs.ctypes.data, f"{name} is a view of another part of the frame"
+            assert not mine.flags.writeable
+        else:
+            assert mine == theirs, name
+            assert type(mine) is type(theirs), name
+
+
+@fuzz
+@given(frame=mutated_frames())
+@example(frame=batch_frame(3, 5, 1))
+def test_the_compiled_decoder_agrees_on_mutated_frames(frame: bytes) -> None:
+    assert_same_decoding(frame)
+
+
+@fuzz
+@given(garbage=st.binary(max_size=600))
+def test_the_compiled_decoder_agrees_on_arbitrary_bytes(garbage: bytes) -> None:
+    assert_same_decoding(garbage)
+
+
+@fuzz
+@given(
+    rows=st.integers(1, 40),
+    width=st.integers(1, 300),
+    seed=st.integers(0, 2**16),
+    epoch=st.sampled_from([0, 1, 2**32, 2**63, 2**64 - 1]),
+    step=st.sampled_from([0, 7, 2**40, 2**64 - 1]),
+    rank=st.sampled_from([0, 1, 2**32 - 1]),
+    bucket=st.sampled_from([0, 3, 2**32 - 1]),
+    fingerprint=st.text(max_size=20).filter(lambda t: len(t.encode()) <= codec.MAX_FINGERPRINT_BYTES),
+)
+def test_the_compiled_decoder_reads_every_frame_the_server_writes(
+    rows: int, width: int, seed: int, epoch: int, step: int, rank: int, bucket: int, fingerprint: str
+) -> None:
+    """Every field at 0 (left out on the wire), at its top, and every shape: C reads it, as Python does."""
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(1, width + 1, size=rows).astype(np.int32)
+    frame = codec.encode_batch(
+        epoch=epoch,
+        step=step,
+        rank=rank,
+        bucket=bucket,
+        schedule_fingerprint=fingerprint,
+        input_ids=rng.integers(0, 2**31, size=(rows, width)).astype(np.int32),
+        loss_mask=(rng.random((rows, width)) < 0.5).astype(np.int8),
+        lengths=lengths,
+        sample_ids=rng.integers(0, 2**63 - 1, size=rows, dtype=np.int64),
+    )
+    if codec._codec_c is not None:
+        assert codec._codec_c.batch(frame) is not None, "the server's own frame left to the Python decoder"
+    assert_same_decoding(frame)
+
+
+def test_the_compiled_decoder_leaves_other_encodings_to_python() -> None:
+    """A valid frame in another field order, with a duplicate or an unknown field: Python reads it."""
+    frame = batch_frame(3, 5, 1)
+    header, payload = split(frame)
+    raw = header.SerializeToString()
+    batch = header.batch.SerializeToString()
+    reordered = b"\x12" + bytes([len(batch)]) + batch + b"\x08\x01"  # batch before version
+    unknown = raw + b"\xa8\x06\x01"  # field 101, a varint: protobuf keeps it as unknown
+    duplicate = b"\x08\x01" + raw  # version twice
+    for variant in (reordered, unknown, duplicate):
+        head = 4 + len(variant)
+        other = struct.pack("<I", len(variant)) + variant + b"\0" * ((-head) % 8) + payload
+        if codec._codec_c is not None:
+            assert codec._codec_c.batch(other) is None
+        decoded = codec.decode_frame(other)
+        assert isinstance(decoded, codec.DecodedBatch)
+        assert_same_decoding(other)
+
+
+@pytest.mark.skipif(not (shutil.which("cc") or shutil.which("gcc")), reason="no C compiler here")
+def test_the_compiled_decoder_is_built_here() -> None:
+    """Where a C compiler is (CI, development), the receive path's fast case is built and tested."""
+    assert codec._codec_c is not None, "proto/_codec.c was not built (pip install -e . with gcc)"

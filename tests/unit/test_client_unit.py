@@ -1,0 +1,53 @@
+"""BatchClient's per-batch conversion, without a server: the Batch it makes is the one Batch() makes."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from ladle.client import Batch, BatchClient
+from ladle.proto import codec
+
+from .test_proto import make_frame
+
+
+def decoded() -> codec.DecodedBatch:
+    frame, _ = make_frame(rows=3, padded_len=6, seed=5)
+    return codec.decode_batch(frame)
+
+
+def test_the_client_makes_the_batch_batch_init_makes() -> None:
+    """``Batch._make`` (one ``__dict__`` update) sets every field ``Batch()`` sets, and stays frozen."""
+    d = decoded()
+    client = BatchClient.__new__(BatchClient)  # _to_batch reads only the device settings
+    client._device, client._pin = None, None
+    got = client._to_batch(d)
+    made = Batch(
+        input_ids=d.input_ids,
+        loss_mask=d.loss_mask,
+        lengths=d.lengths,
+        sample_ids=d.sample_ids,
+        epoch=d.epoch,
+        step=d.step,
+        rank=d.rank,
+        bucket=d.bucket,
+        real_tokens=d.real_tokens,
+        padded_tokens=d.padded_tokens,
+    )
+    for f in dataclasses.fields(Batch):
+        mine, theirs = getattr(got, f.name), getattr(made, f.name)
+        if f.name == "_mask":
+            continue  # the client's makes the mask lazily; Batch() makes it from lengths
+        if isinstance(theirs, np.ndarray):
+            assert mine is getattr(d, f.name), f"{f.name} is not the received view"
+        else:
+            assert mine == theirs, f.name
+    assert set(vars(got)) >= {f.name for f in dataclasses.fields(Batch)}, "a field was left unset"
+    np.testing.assert_array_equal(got.attention_mask, made.attention_mask)
+    assert got.attention_mask.dtype == np.int8
+    assert (got.rows, got.padded_len) == (3, 6)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        got.step = 10  # type: ignore[misc]
+    assert repr(got) == repr(made)
