@@ -32,7 +32,7 @@ except ImportError:  # pragma: no cover - an unusual grpcio build
     _cygrpc = None
     _grpc_common = None
 
-__all__ = ["DirectCall", "StatusError", "available"]
+__all__ = ["TESTED_GRPC", "DirectCall", "StatusError", "available", "grpc_is_tested"]
 
 _FLAGS = 0
 _NEEDED = (
@@ -48,6 +48,21 @@ _NEEDED = (
 # the tags of this call's operations
 _START, _METADATA, _STATUS = "start", "metadata", "status"
 _RECEIVE, _SEND, _CLOSE = "receive", "send", "close"
+
+
+# The grpcio minor versions this module was tested with (its Cython layer is not a public API,
+# so a later grpcio may change it without notice): BatchClient uses a DirectCall on these only,
+# unless LADLE_CLIENT_READER=polled asks for it on any grpcio that has the calls.
+TESTED_GRPC: tuple[tuple[int, int], ...] = ((1, 85),)
+
+
+def grpc_is_tested(version: str | None = None) -> bool:
+    """True if grpcio ``version`` (default: the one imported) is one this module was tested with."""
+    parts = str(version or getattr(grpc, "__version__", "")).split(".")
+    try:
+        return (int(parts[0]), int(parts[1])) in TESTED_GRPC
+    except (IndexError, ValueError):
+        return False
 
 
 def available(channel: Any) -> bool:

@@ -54,10 +54,11 @@ _BACKOFF_FIRST, _BACKOFF_MAX = 0.05, 2.0
 # asked for the next batch (sooner when three quarters of the prefetch window wait).
 ACK_DELAY = 0.005
 _END = object()
-# How a stream is read: "polled" (a reader thread polls the call's own completion queue, the
-# default where grpcio allows it) or "thread" (grpcio's iterator, read by a reader thread).
-# For comparisons and tests: both give the same batches.
-_READER = os.environ.get("LADLE_CLIENT_READER", "polled")
+# How a stream is read: "auto" (the default: "polled" on the grpcio versions _direct was tested
+# with, else "thread"), "polled" (a reader thread polls the call's own completion queue, on any
+# grpcio that has the calls) or "thread" (grpcio's iterator, read by a reader thread). Both give
+# the same batches.
+_READER = os.environ.get("LADLE_CLIENT_READER", "auto")
 
 
 def _is_int(value: Any) -> bool:
@@ -465,7 +466,8 @@ class BatchClient:
         self._generation: int | None = None
         self._incarnation = ""
         self._closed = False
-        self._polled = _READER != "thread"  # read through _direct (else grpcio's iterator)
+        # read through _direct (else grpcio's iterator)
+        self._polled = _READER == "polled" or (_READER != "thread" and _direct.grpc_is_tested())
         self.reconnects = 0
 
     # --- state ---

@@ -1,13 +1,15 @@
-"""BatchClient's per-batch conversion, without a server: the Batch it makes is the one Batch() makes."""
+"""BatchClient without a server: the Batch it makes per batch, and which reader it picks."""
 
 from __future__ import annotations
 
 import dataclasses
 
+import grpc
 import numpy as np
 import pytest
 
-from ladle.client import Batch, BatchClient
+from ladle.client import Batch, BatchClient, _direct
+from ladle.client import client as client_module
 from ladle.proto import codec
 
 from .test_proto import make_frame
@@ -51,3 +53,31 @@ def test_the_client_makes_the_batch_batch_init_makes() -> None:
     with pytest.raises(dataclasses.FrozenInstanceError):
         got.step = 10  # type: ignore[misc]
     assert repr(got) == repr(made)
+
+
+@pytest.mark.parametrize(
+    ("reader", "version", "polled"),
+    [
+        ("auto", "1.85.3", True),  # a tested grpcio: the polled reader
+        ("auto", "1.86.0", False),  # a later one: grpcio's public iterator
+        ("auto", "2.0.0rc1", False),
+        ("auto", "", False),
+        ("polled", "1.99.0", True),  # asked for on any grpcio that has the calls
+        ("thread", "1.85.3", False),
+    ],
+)
+def test_the_reader_follows_the_setting_and_the_grpcio_version(
+    monkeypatch: pytest.MonkeyPatch, reader: str, version: str, polled: bool
+) -> None:
+    monkeypatch.setattr(client_module, "_READER", reader)
+    monkeypatch.setattr(grpc, "__version__", version)
+    client = BatchClient(0, 1, "127.0.0.1:1", "reader", timeout=1)  # connects on first use only
+    try:
+        assert client._polled is polled
+    finally:
+        client.close()
+
+
+def test_the_installed_grpcio_is_one_the_polled_reader_was_tested_with() -> None:
+    """A grpcio upgrade past ``_direct.TESTED_GRPC`` fails here: test the polled reader on it, then add it."""
+    assert _direct.grpc_is_tested(), f"grpcio {grpc.__version__} is not in {_direct.TESTED_GRPC}"
