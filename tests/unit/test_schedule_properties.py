@@ -90,6 +90,9 @@ def check_schedule(sched: Schedule, lengths: np.ndarray, config: ScheduleConfig)
             assert np.all((cut[rows] >= bounds[b]) & (cut[rows] < bounds[b + 1])), (
                 "sample in the wrong bucket"
             )
+            together, padded_too, bucket_too = sched.batch(step, rank)  # the server's one lookup
+            assert np.array_equal(together, rows), "Schedule.batch gives other rows than samples"
+            assert (padded_too, bucket_too) == (padded, b), "Schedule.batch disagrees with padded_len, bucket"
         if config.rank_mode == "sync":
             assert len(set(sched.buckets[step].tolist())) == 1, "a sync step mixes buckets"
 
