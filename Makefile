@@ -8,15 +8,22 @@ DATA := data
 SAMPLE := $(DATA)/sample
 DEMO_ROWS ?= 200000
 
-.PHONY: setup redis-server chromium demo test lint typecheck unit bench bench-full clean
+.PHONY: setup lock redis-server chromium demo test lint typecheck unit bench bench-full clean
 
-$(STAMP): pyproject.toml service/_frame.c service/schedule/_grid.c proto/_codec.c
+$(STAMP): pyproject.toml constraints-dev.txt service/_frame.c service/schedule/_grid.c proto/_codec.c
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	$(BIN)/python -m pip install --quiet -e '.[dev]' -c constraints-dev.txt
 	touch $(STAMP)
 
 setup: $(STAMP)
+
+# After upgrading a dependency in .venv on purpose (pip install --upgrade NAME, then make test):
+# record the environment's versions as the ones make setup installs.
+lock:
+	{ sed -n '1,3p' constraints-dev.txt; $(BIN)/python -m pip freeze --exclude-editable \
+		| sed 's/^torch==\([^+]*\)+cpu$$/torch==\1/'; } > constraints-dev.txt.new
+	mv constraints-dev.txt.new constraints-dev.txt
 
 # The tests and benchmarks start their own redis-server processes on free ports.
 redis-server:
