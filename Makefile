@@ -21,7 +21,7 @@ setup: $(STAMP)
 # After upgrading a dependency in .venv on purpose (pip install --upgrade NAME, then make test):
 # record the environment's versions as the ones make setup installs.
 lock:
-	{ sed -n '1,3p' constraints-dev.txt; $(BIN)/python -m pip freeze --exclude-editable \
+	{ grep '^#' constraints-dev.txt; $(BIN)/python -m pip freeze --exclude-editable \
 		| sed 's/^torch==\([^+]*\)+cpu$$/torch==\1/'; } > constraints-dev.txt.new
 	mv constraints-dev.txt.new constraints-dev.txt
 

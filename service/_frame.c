@@ -310,7 +310,7 @@ static uint8_t *put_field(uint8_t *p, int field, uint64_t v) {
     return put_varint(p, v);
 }
 
-/* A length-delimited field (wire type 2) whose body is [body, end). */
+/* A length-delimited field (wire type 2) whose body is the `len` bytes at `body`. */
 static uint8_t *put_bytes(uint8_t *p, int field, const uint8_t *body, size_t len) {
     *p++ = (uint8_t)(field << 3 | 2);
     p = put_varint(p, len);
