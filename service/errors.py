@@ -25,6 +25,7 @@ __all__ = [
     "LengthMismatchError",
     "MissingColumnsError",
     "OverlongSampleError",
+    "ScheduleBusyError",
     "ScheduleError",
     "StoreError",
     "StoreUnavailableError",
@@ -60,6 +61,22 @@ class ScheduleError(LadleError, ValueError):
     """The inputs cannot make a valid schedule (e.g. fewer rows than ranks)."""
 
     kind = "invalid_argument"
+
+
+class ScheduleBusyError(LadleError):
+    """The server is building as many schedules for inspection as it allows at once; ask again.
+
+    ``retry_after`` is a number of seconds worth waiting (HTTP ``Retry-After``).
+    """
+
+    kind = "unavailable"
+
+    def __init__(self, message: str, retry_after: int = 2) -> None:
+        self.retry_after = retry_after
+        super().__init__(message)
+
+    def __reduce__(self) -> tuple[type[ScheduleBusyError], tuple[str, int]]:
+        return (type(self), (str(self), self.retry_after))
 
 
 class OverlongSampleError(ScheduleError):

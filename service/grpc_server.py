@@ -20,6 +20,7 @@ Errors map once, from ``LadleError.kind`` to a gRPC status, with a
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -35,7 +36,7 @@ from .assemble import Assembler
 from .errors import ConfigError, FencedError, JobNotFoundError, LadleError
 from .jobs import Job, JobRegistry
 from .limits import Limits
-from .metrics import ServerMetrics
+from .metrics import ServerMetrics, StreamMeter
 from .store.base import Position
 
 __all__ = ["ACK_FLUSH_SECONDS", "BatchServicer", "StreamAbortedError", "status_of"]
@@ -263,7 +264,7 @@ class BatchServicer:
                 job = self.registry.open(request.job, state.spec.world_size)
             state = job.state()
             epoch = min(r.position.epoch for r in state.ranks) if state.ranks else 0
-            sched = await asyncio.to_thread(job.schedule, epoch)
+            sched = await asyncio.to_thread(functools.partial(job.schedule, epoch, hot=True))
             return pb.JobInfo(
                 job=job.name,
                 world_size=job.world_size,
@@ -315,6 +316,7 @@ class BatchServicer:
                 del self._active[other_key]
         self._active[key] = session
         reader = asyncio.create_task(self._read(requests, session))
+        meter = self.metrics.stream(session.job.name, session.rank)
         try:
             yield codec.encode_stream_start(
                 generation=session.generation,
@@ -324,12 +326,13 @@ class BatchServicer:
                 schedule_fingerprint=session.job.fingerprint,
                 world_size=session.job.world_size,
             )
-            async for frame in self._send(session):
+            async for frame in self._send(session, meter):
                 yield frame
         except LadleError as exc:
             session.fail(exc)
         finally:
             reader.cancel()
+            self.metrics.ended(meter)
             session.flush(force=True)
             if self._active.get(key) is session:
                 del self._active[key]
@@ -419,7 +422,7 @@ class BatchServicer:
                 )
             given = moved  # a checkpoint of the world before an elastic resize, taken at its cut
         joined = job.join(o.rank)
-        start = job.normalise(given if given is not None else joined.position)
+        start = job.normalise(given if given is not None else joined.position, hot=True)
         lost = self._lost_writes(o, job, joined.generation)
         if lost:
             generation = max(joined.generation, o.resume.generation + 1)
@@ -468,14 +471,17 @@ class BatchServicer:
                     session.credits += request.credit.n
                     session.wake.set()
                 elif kind == "ack":
-                    through = session.job.normalise(
-                        Position(request.ack.through.epoch, request.ack.through.step)
-                    )
+                    given = Position(request.ack.through.epoch, request.ack.through.step)
+                    # checked before normalising: this runs on the event loop, and an epoch the
+                    # stream has not reached would need its schedule built here
+                    through = given
+                    if session.acked < given <= session.sent:
+                        through = session.job.normalise(given, hot=True)
                     if through > session.sent:
                         raise StreamAbortedError(
                             "invalid_argument",
                             "bad_ack",
-                            f"Ack through {through} is beyond the last batch sent ({session.sent})",
+                            f"Ack through {given} is beyond the last batch sent ({session.sent})",
                             "ack",
                         )
                     session.acked = max(session.acked, through)
@@ -500,10 +506,9 @@ class BatchServicer:
             session.requests_done = True
             session.wake.set()
 
-    async def _send(self, session: _Session) -> AsyncIterator[bytes]:
+    async def _send(self, session: _Session, meter: StreamMeter) -> AsyncIterator[bytes]:
         job = session.job
         position = session.sent
-        meter = self.metrics.stream(job.name, session.rank)
         while True:
             while session.credits <= 0 and session.failure is None:
                 if session.requests_done:
@@ -514,7 +519,7 @@ class BatchServicer:
                 return
             session.credits -= 1
             if not job.has_schedule(position.epoch):  # building one takes a while: off the loop
-                await asyncio.to_thread(job.schedule, position.epoch)
+                await asyncio.to_thread(functools.partial(job.schedule, position.epoch, hot=True))
             began = time.perf_counter()
             ref = job.batch(position, session.rank)
             # the rows' bytes go from the mapped dataset straight into the frame: one copy

@@ -11,16 +11,20 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import threading
+import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import MappingProxyType
+from typing import Any, Final
 
 import numpy as np
 import numpy.typing as npt
 
 from .dataset import TokenDataset
-from .errors import ConfigError, ScheduleError, WorldSizeMismatchError
+from .errors import ConfigError, ScheduleBusyError, ScheduleError, WorldSizeMismatchError
 from .schedule import ALGORITHM_VERSION, Dropped, Schedule, ScheduleConfig, build_schedule
 from .store.base import (
     CursorStore,
@@ -36,7 +40,26 @@ from .store.base import (
 
 log = logging.getLogger("ladle.server")
 
-__all__ = ["BatchRef", "Job", "JobRegistry", "plan_schedule", "schedule_fingerprint"]
+__all__ = [
+    "COLD_WAIT_S",
+    "HOT_SECONDS",
+    "MAX_COLD_WAITING",
+    "SPARE_SCHEDULES",
+    "BatchRef",
+    "Job",
+    "JobRegistry",
+    "ScheduleCache",
+    "plan_schedule",
+    "schedule_fingerprint",
+]
+
+# What a server keeps of its jobs' schedules (ScheduleCache): every one a stream used in the
+# last HOT_SECONDS, and SPARE_SCHEDULES more; inspection builds one at a time, with
+# MAX_COLD_WAITING requests waiting up to COLD_WAIT_S for their turn.
+SPARE_SCHEDULES: Final = 4
+HOT_SECONDS: Final = 60.0
+MAX_COLD_WAITING: Final = 2
+COLD_WAIT_S: Final = 20.0
 
 
 def schedule_fingerprint(
@@ -125,8 +148,139 @@ class BatchRef:
         return Position(self.epoch + 1, 0)
 
 
+class ScheduleCache:
+    """The schedules of every job of one server, each built once per (schedule fingerprint, epoch).
+
+    Jobs of one world size and resize history follow the same schedule, so
+    they share it. What is kept is bounded by use, not by how many jobs the
+    server has seen: every schedule a stream used in the last ``hot_s``
+    seconds, and of the others (an idle job's, the next epoch prepared ahead,
+    an epoch only inspected) the ``spare`` most recently used. A schedule of a
+    10M-row dataset holds about 100 MB and takes about a second to build.
+
+    A build for a stream (``hot=True``) starts at once. Builds for inspection
+    (the HTTP face: ``hot=False``) run one at a time, with at most
+    ``MAX_COLD_WAITING`` requests waiting up to ``COLD_WAIT_S`` for their
+    turn; any more raise ``ScheduleBusyError`` (HTTP 503), so requests for
+    many epochs cannot fill the server's memory or its threads.
+    """
+
+    def __init__(
+        self,
+        spare: int = SPARE_SCHEDULES,
+        hot_s: float = HOT_SECONDS,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if spare < 0:
+            raise ConfigError("spare", f"must be >= 0, got {spare}")
+        self.spare = spare
+        self.hot_s = hot_s
+        self._clock = clock
+        # (fingerprint, epoch) -> [schedule, when a stream last used it], least recently used first
+        self._items: OrderedDict[tuple[str, int], list[Any]] = OrderedDict()
+        self._building: set[tuple[str, int]] = set()
+        self._cold_building = False
+        self._cold_waiting = 0
+        self._changed = threading.Condition(threading.Lock())
+
+    def __len__(self) -> int:
+        with self._changed:
+            return len(self._items)
+
+    def has(self, key: tuple[str, int]) -> bool:
+        with self._changed:
+            return key in self._items
+
+    def cached(self, key: tuple[str, int], *, hot: bool) -> Schedule | None:
+        """The schedule under ``key`` if it is kept (a use, as ``get``), else None; never builds."""
+        with self._changed:
+            return self._hit(key, hot)
+
+    def _hit(self, key: tuple[str, int], hot: bool) -> Schedule | None:
+        """``cached`` with the lock held."""
+        entry = self._items.get(key)
+        if entry is None:
+            return None
+        self._items.move_to_end(key)
+        if hot:
+            entry[1] = self._clock()
+        sched: Schedule = entry[0]
+        return sched
+
+    def get(self, key: tuple[str, int], build: Callable[[], Schedule], *, hot: bool) -> Schedule:
+        """The schedule under ``key``, built with ``build()`` if it is not kept (once for every caller)."""
+        deadline: float | None = None
+        with self._changed:
+            while True:
+                kept = self._hit(key, hot)
+                if kept is not None:
+                    return kept
+                if key in self._building:
+                    self._changed.wait()  # built by another caller: take theirs
+                    continue
+                if hot or not self._cold_building:
+                    break
+                if deadline is None:
+                    if self._cold_waiting >= MAX_COLD_WAITING:
+                        raise self._busy()
+                    deadline = self._clock() + COLD_WAIT_S
+                left = deadline - self._clock()
+                if left <= 0:
+                    raise self._busy()
+                self._cold_waiting += 1
+                try:
+                    self._changed.wait(left)
+                finally:
+                    self._cold_waiting -= 1
+            self._building.add(key)
+            if not hot:
+                self._cold_building = True
+        built: Schedule | None = None
+        try:
+            built = build()
+            return built
+        finally:
+            with self._changed:
+                self._building.discard(key)
+                if not hot:
+                    self._cold_building = False
+                if built is not None:
+                    self._items[key] = [built, self._clock() if hot else -math.inf]
+                    self._evict()
+                self._changed.notify_all()
+
+    def warm(self, key: tuple[str, int], build: Callable[[], Schedule]) -> None:
+        """Build ``key``'s schedule on a thread of its own unless it is kept or being built."""
+        with self._changed:
+            if key in self._items or key in self._building:
+                return
+        threading.Thread(
+            target=self.get, args=(key, build), kwargs={"hot": True}, name=f"ladle-plan-{key[1]}", daemon=True
+        ).start()
+
+    def _evict(self) -> None:
+        """Drop the least recently used schedules no stream has used lately, beyond ``spare``."""
+        now = self._clock()
+        idle = [key for key, (_, used) in self._items.items() if now - used > self.hot_s]
+        for key in idle[: max(0, len(idle) - self.spare)]:
+            del self._items[key]
+
+    @staticmethod
+    def _busy() -> ScheduleBusyError:
+        return ScheduleBusyError(
+            "the server is already building the schedules of other epochs for inspection "
+            f"(one at a time, {MAX_COLD_WAITING} waiting at most); ask again in a few seconds"
+        )
+
+
 class Job:
-    """One job's schedules and cursor operations (thread-safe)."""
+    """One job's schedules and cursor operations (thread-safe).
+
+    Its schedules live in ``cache`` (the registry's, shared by every job of a
+    server; a cache of its own if none is given). ``hot=True`` marks a use by
+    a trainer's stream, which keeps a schedule cached while it is in use.
+    """
 
     def __init__(
         self,
@@ -138,6 +292,7 @@ class Job:
         *,
         plan: tuple[Resize, ...] = (),
         incarnation: str = "",
+        cache: ScheduleCache | None = None,
     ) -> None:
         self.name = name
         self.dataset = dataset
@@ -148,63 +303,57 @@ class Job:
         self.incarnation = incarnation
         self.spec = JobSpec(name, dataset.fingerprint, config.fingerprint(), world_size)
         self.fingerprint = schedule_fingerprint(dataset.fingerprint, config.fingerprint(), world_size, plan)
-        self._schedules: OrderedDict[int, Schedule] = OrderedDict()
-        self._building: dict[int, threading.Event] = {}
-        self._lock = threading.Lock()
+        self.cache = cache if cache is not None else ScheduleCache()
 
-    def schedule(self, epoch: int) -> Schedule:
-        """The schedule of ``epoch``, built once however many streams ask at the same time.
+    def schedule(self, epoch: int, *, hot: bool = False) -> Schedule:
+        """The schedule of ``epoch``, built once however many streams and requests ask at the same time.
 
-        The three most recent epochs are kept (a slow rank may still be in the
-        previous one while the next is being prepared).
+        ``hot``: a stream's use (see ``ScheduleCache``); a request that only
+        inspects may get ``ScheduleBusyError`` while other inspection builds run.
         """
-        while True:
-            with self._lock:
-                sched = self._schedules.get(epoch)
-                if sched is not None:
-                    self._schedules.move_to_end(epoch)
-                    return sched
-                pending = self._building.get(epoch)
-                if pending is None:
-                    pending = self._building[epoch] = threading.Event()
-                    break
-            pending.wait()  # another stream is building it; then look again
-        try:
-            sched = plan_schedule(self.dataset.lengths, self.config, epoch, self.world_size, self.plan)
-            with self._lock:
-                self._schedules[epoch] = sched
-                while len(self._schedules) > 3:
-                    self._schedules.popitem(last=False)
-            return sched
-        finally:
-            with self._lock:
-                del self._building[epoch]
-            pending.set()
+        key = (self.fingerprint, epoch)
+        sched = self.cache.cached(key, hot=hot)  # once a batch: no closure made when it is kept
+        if sched is None:
+            sched = self.cache.get(key, lambda: self._plan(epoch), hot=hot)
+        return sched
+
+    def _plan(self, epoch: int) -> Schedule:
+        return plan_schedule(self.dataset.lengths, self.config, epoch, self.world_size, self.plan)
 
     def has_schedule(self, epoch: int) -> bool:
-        with self._lock:
-            return epoch in self._schedules
+        return self.cache.has((self.fingerprint, epoch))
 
     def warm(self, epoch: int) -> None:
         """Build ``epoch``'s schedule in the background, so streams do not pause at the boundary."""
-        with self._lock:
-            if epoch in self._schedules or epoch in self._building:
-                return
-        threading.Thread(target=self.schedule, args=(epoch,), name=f"ladle-plan-{epoch}", daemon=True).start()
+        self.cache.warm((self.fingerprint, epoch), lambda: self._plan(epoch))
 
-    def steps(self, epoch: int) -> int:
-        return self.schedule(epoch).num_steps
+    def steps(self, epoch: int, *, hot: bool = False) -> int:
+        return self.schedule(epoch, hot=hot).num_steps
 
-    def normalise(self, position: Position) -> Position:
-        """A position past an epoch's last step is the start of the next epoch."""
+    def normalise(self, position: Position, *, hot: bool = False) -> Position:
+        """The position ``(epoch, steps in epoch)`` is the start of the next epoch; others are as given.
+
+        A step beyond the epoch's end comes from no trainer of this job (a
+        position from another job or world size, or a bad checkpoint): it
+        raises ``ConfigError`` instead of being carried into later epochs,
+        which would build one schedule per epoch it crosses.
+        """
         epoch, step = position.epoch, position.step
-        while step >= self.steps(epoch):
-            step -= self.steps(epoch)
-            epoch += 1
-        return Position(epoch, step)
+        steps = self.steps(epoch, hot=hot)
+        if step <= steps:
+            while step >= steps:  # the end of an epoch (or an empty one, which a resize can leave)
+                epoch, step = epoch + 1, 0
+                steps = self.steps(epoch, hot=hot)
+            return Position(epoch, step) if epoch != position.epoch else position
+        raise ConfigError(
+            "step",
+            f"position (epoch {position.epoch}, step {position.step}) is beyond the end of epoch "
+            f"{position.epoch}, which has {steps} steps in job {self.name!r} "
+            f"(world size {self.world_size}): not a position of this job",
+        )
 
     def batch(self, position: Position, rank: int) -> BatchRef:
-        sched = self.schedule(position.epoch)
+        sched = self.schedule(position.epoch, hot=True)
         if position.step == 0 or position.step == sched.num_steps // 2:
             self.warm(position.epoch + 1)
         rows, padded_len, bucket = sched.batch(position.step, rank)
@@ -272,6 +421,7 @@ class JobRegistry:
         self.store = store
         self._jobs: dict[str, Job] = {}
         self._lock = threading.Lock()
+        self.schedules = ScheduleCache()
 
     def open(
         self,
@@ -316,7 +466,7 @@ class JobRegistry:
         old = self._job_for(self.store.get(name))
         cut = None
         if checkpoint is not None and checkpoint[1] == old.fingerprint and old.world_size == old_size:
-            cut = (old.normalise(checkpoint[0]),) * old_size
+            cut = (old.normalise(checkpoint[0], hot=True),) * old_size
         state = self.store.resize(name, old_size, new_size, cut)
         if state.plan and len(state.plan) > len(old.plan):
             log.warning(
@@ -346,6 +496,7 @@ class JobRegistry:
             self.store,
             plan=state.plan,
             incarnation=state.incarnation,
+            cache=self.schedules,
         )
 
     def get(self, name: str) -> Job | None:

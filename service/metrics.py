@@ -24,9 +24,19 @@ from prometheus_client.registry import Collector
 
 from .store.base import CursorStore, JobSpec, JobState, Position, RankState, Resize
 
-__all__ = ["CONTENT_TYPE", "METRIC_NAMES", "LoopHistogram", "ServerMetrics", "StreamMeter", "TimedStore"]
+__all__ = [
+    "CONTENT_TYPE",
+    "METER_LINGER_S",
+    "METRIC_NAMES",
+    "LoopHistogram",
+    "ServerMetrics",
+    "StreamMeter",
+    "TimedStore",
+]
 
 CONTENT_TYPE: Final = "text/plain; version=0.0.4; charset=utf-8"
+# How long a job's rank keeps its per-rank series after its last stream on this server ended.
+METER_LINGER_S: Final = 3600.0
 
 # Exposed names (counters get the _total suffix); docs/inspect.md describes each one.
 METRIC_NAMES: Final = (
@@ -76,10 +86,12 @@ class LoopHistogram:
 class StreamMeter:
     """What a job's rank was served, over all its streams on this server (written on the event loop)."""
 
-    __slots__ = ("_assembly", "batches", "bytes", "padded_tokens", "send", "tokens")
+    __slots__ = ("_assembly", "batches", "bytes", "idle_since", "padded_tokens", "send", "streams", "tokens")
 
     def __init__(self, assembly: LoopHistogram, send: LoopHistogram) -> None:
         self.batches = self.tokens = self.padded_tokens = self.bytes = 0
+        self.streams = 0  # open now
+        self.idle_since = 0.0  # when the last one ended (time.monotonic)
         self._assembly = assembly
         self.send = send
 
@@ -142,9 +154,13 @@ class _Served(Collector):
 class ServerMetrics:
     """Every metric of one server, in its own registry (``exposition`` renders them)."""
 
-    def __init__(self) -> None:
+    def __init__(
+        self, *, meter_linger_s: float = METER_LINGER_S, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.registry = CollectorRegistry()
         self.meters: dict[tuple[str, int], StreamMeter] = {}
+        self.meter_linger_s = meter_linger_s
+        self._clock = clock
         self.assembly_seconds = LoopHistogram(_FAST)
         self.send_seconds = LoopHistogram(_FAST)
         self.depths: StreamDepths = lambda: ()
@@ -171,11 +187,30 @@ class ServerMetrics:
         self.registry.register(_Served(self))
 
     def stream(self, job: str, rank: int) -> StreamMeter:
-        """The meter of ``rank`` of ``job`` (call on the event loop; kept for later streams)."""
+        """The meter of a stream of ``rank`` of ``job`` that opens now (call on the event loop).
+
+        A rank's meter counts over all its streams on this server; once none
+        has been open for ``meter_linger_s`` it is dropped, with its series,
+        so a server that sees job after job does not report every one of them
+        for ever. Call ``ended`` when the stream ends.
+        """
+        self._drop_idle()
         meter = self.meters.get((job, rank))
         if meter is None:
             meter = self.meters[job, rank] = StreamMeter(self.assembly_seconds, self.send_seconds)
+        meter.streams += 1
         return meter
+
+    def ended(self, meter: StreamMeter) -> None:
+        """A stream ``stream`` metered has ended (call on the event loop)."""
+        meter.streams -= 1
+        meter.idle_since = self._clock()
+
+    def _drop_idle(self) -> None:
+        cutoff = self._clock() - self.meter_linger_s
+        for key, meter in list(self.meters.items()):
+            if meter.streams <= 0 and meter.idle_since < cutoff:
+                del self.meters[key]
 
     def error(self, face: str, code: str) -> None:
         self.errors.labels(face, code).inc()

@@ -80,6 +80,9 @@ def _error_response(exc: LadleError, *, page: bool = False) -> JSONResponse:
     if status == 401:
         # a browser asks for the token as a password on the page; scripts send it as a bearer token
         headers = {"WWW-Authenticate": 'Basic realm="ladle"' if page else 'Bearer realm="ladle"'}
+    retry_after = getattr(exc, "retry_after", None)
+    if status == 503 and isinstance(retry_after, int):
+        headers = {"Retry-After": str(retry_after)}
     return JSONResponse(body.model_dump(), status_code=status, headers=headers)
 
 
@@ -321,7 +324,12 @@ def create_app(
         try:
             html = page.render(inspector, job=job, epoch=epoch, start=start, world_size=world_size)
         except LadleError as exc:
-            return HTMLResponse(page.render_error(exc), status_code=HTTP_STATUS.get(exc.kind, 500))
+            retry = getattr(exc, "retry_after", None)
+            return HTMLResponse(
+                page.render_error(exc),
+                status_code=HTTP_STATUS.get(exc.kind, 500),
+                headers={"Retry-After": str(retry)} if isinstance(retry, int) else None,
+            )
         return HTMLResponse(html)
 
     return app

@@ -134,7 +134,7 @@ class Inspector:
         """The schedule a new job of ``world_size`` ranks would follow (no store entry)."""
         if not 1 <= world_size <= 1024:
             raise ConfigError("world_size", f"must be in 1..1024, got {world_size}")
-        job = Job("preview", self.dataset, self.config, world_size, self.store)
+        job = Job("preview", self.dataset, self.config, world_size, self.store, cache=self.registry.schedules)
         return self._jobs.get(("job", job.fingerprint), lambda: job)
 
     def variant(self, job: Job, interleave: Interleave | None) -> Job:
@@ -142,7 +142,7 @@ class Inspector:
         if interleave is None or interleave == job.config.interleave:
             return job
         config = job.config.replace(interleave=interleave)
-        other = Job(job.name, job.dataset, config, job.world_size, job.store, plan=job.plan)
+        other = Job(job.name, job.dataset, config, job.world_size, job.store, plan=job.plan, cache=job.cache)
         return self._jobs.get(("job", other.fingerprint), lambda: other)
 
     def epoch_of(self, job: Job, state: JobState | None) -> int:

@@ -120,6 +120,9 @@ HUGE_ACK = pb.StreamRequest(
     ack=pb.Ack(through=pb.Position(epoch=2**64 - 1, step=1), credit=1)
 ).SerializeToString()
 GOOD = {"rank": 0, "world_size": 1, "prefetch": 2}
+MANY_CREDITS = pb.StreamRequest(credit=pb.Credit(n=500)).SerializeToString()  # past epoch 0
+FAR_ACK = pb.StreamRequest(ack=pb.Ack(through=pb.Position(epoch=0, step=10**12))).SerializeToString()
+PAUSE = b""  # not sent: the client waits a second (the server sends what the credits allow)
 BAD_REQUESTS: dict[str, tuple[list[bytes], set[str]]] = {
     "garbage": ([b"\xff\xff\xff\xff"], {"INVALID_ARGUMENT"}),
     "a field of the wrong wire type": ([b"\x0a\x05hello"], {"INVALID_ARGUMENT"}),
@@ -150,6 +153,16 @@ BAD_REQUESTS: dict[str, tuple[list[bytes], set[str]]] = {
         {"INVALID_ARGUMENT"},
     ),
     "an ack far past the end": ([open_bytes(job="hostile-ack", **GOOD), HUGE_ACK], {"INVALID_ARGUMENT"}),
+    # a step far beyond its epoch's end: refused at once, where carrying it over epoch after
+    # epoch built a schedule for each (on the event loop for an ack: the server hung)
+    "start a trillion steps into epoch 0": (
+        [open_bytes(job="hostile-far-start", start=pb.Position(epoch=0, step=10**12), **GOOD)],
+        {"INVALID_ARGUMENT"},
+    ),
+    "an ack a trillion steps into an epoch already sent": (
+        [open_bytes(job="hostile-far-ack", **GOOD), MANY_CREDITS, PAUSE, FAR_ACK],
+        {"INVALID_ARGUMENT"},
+    ),
 }
 
 
@@ -161,7 +174,11 @@ def test_malformed_and_absurd_stream_requests(module_server: ServerProcess, smal
         for name, (requests, codes) in BAD_REQUESTS.items():
 
             def slowly(items: list[bytes] = requests) -> Iterator[bytes]:
-                yield from items
+                for item in items:
+                    if item is PAUSE:
+                        time.sleep(1.0)
+                    else:
+                        yield item
                 time.sleep(1.0)  # the server answers before the client half-closes
 
             with pytest.raises(grpc.RpcError) as info:

@@ -114,3 +114,30 @@ def test_a_loop_histogram_puts_a_bound_in_its_own_bucket() -> None:
         h.observe(value)
     assert h.counts == [1, 2, 1]
     assert h.total == 7.5
+
+
+def test_a_ranks_series_go_an_hour_after_its_last_stream(tmp_path: Path) -> None:
+    now = [0.0]
+    metrics = ServerMetrics(meter_linger_s=3600, clock=lambda: now[0])
+
+    def series() -> set[tuple[str, str]]:
+        return {
+            (s.labels["job"], s.labels["rank"])
+            for family in text_string_to_metric_families(metrics.exposition().decode())
+            if family.name == "ladle_batches_served"
+            for s in family.samples
+        }
+
+    old = metrics.stream("old", 0)
+    old.batch(10, 12, 100, 0.001)
+    held = metrics.stream("held", 0)  # a stream that stays open
+    metrics.ended(old)
+    now[0] = 3000.0
+    again = metrics.stream("old", 0)
+    assert again is old, "a rank that comes back within the hour keeps counting"
+    assert again.batches == 1
+    metrics.ended(again)
+    now[0] = 3000.0 + 3601
+    metrics.stream("new", 0)
+    assert series() == {("held", "0"), ("new", "0")}, "an idle rank's series outlived the hour"
+    assert held.streams == 1

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from ladle.service import jobs
+from ladle.service.errors import ConfigError
 from ladle.service.schedule import ScheduleConfig, build_schedule
 from ladle.service.store.base import Position
 
@@ -50,3 +51,16 @@ def test_the_next_epoch_is_prepared_ahead(monkeypatch: pytest.MonkeyPatch) -> No
     assert 1 in calls, "epoch 1 was not prepared while epoch 0 started"
     job.schedule(1)
     assert calls.count(1) == 1
+
+
+def test_a_position_past_its_epochs_end_is_refused_not_carried_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[int] = []
+    job = make_job(monkeypatch, calls)
+    steps = job.steps(0)
+    assert job.normalise(Position(0, steps - 1)) == Position(0, steps - 1)
+    assert job.normalise(Position(0, steps)) == Position(1, 0)  # the end of epoch 0
+    with pytest.raises(ConfigError, match=f"beyond the end of epoch 0, which has {steps} steps"):
+        job.normalise(Position(0, steps + 1))
+    with pytest.raises(ConfigError, match="step"):
+        job.normalise(Position(0, 10**12))  # once carried over epoch after epoch: one build each
+    assert set(calls) <= {0, 1}, f"schedules built for epochs {sorted(set(calls))}"

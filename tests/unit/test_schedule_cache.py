@@ -1,0 +1,214 @@
+"""What a server keeps of its jobs' schedules is bounded by use, and inspection builds queue.
+
+A long-lived server sees job after job; each schedule of a 10M-row dataset
+holds about 100 MB. The cache keeps what streams use and a few more, shares
+one schedule between jobs that follow it, and builds for the HTTP face one at
+a time, refusing requests beyond a short queue with a 503 and Retry-After.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import pytest
+from fastapi.testclient import TestClient
+
+from ladle.service import jobs
+from ladle.service.errors import ScheduleBusyError
+from ladle.service.http import Inspector, create_app
+from ladle.service.jobs import JobRegistry, ScheduleCache
+from ladle.service.metrics import ServerMetrics
+from ladle.service.schedule import ScheduleConfig
+from ladle.service.store import EmbeddedStore, Position
+
+CONFIG = ScheduleConfig(max_seq_len=128, bucket_bounds=(0, 32, 129), token_budget=512)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def made(log: list[Any]) -> Any:
+    """A build that records its key and returns a fresh object."""
+
+    def build(key: Any) -> Any:
+        def run() -> Any:
+            log.append(key)
+            return SimpleNamespace(key=key)
+
+        return run
+
+    return build
+
+
+def test_idle_schedules_beyond_the_spare_ones_are_dropped() -> None:
+    clock, log = Clock(), list[Any]()
+    cache = ScheduleCache(spare=2, hot_s=60, clock=clock)
+    build = made(log)
+    for epoch in range(5):
+        cache.get(("a", epoch), build(("a", epoch)), hot=False)
+    assert len(cache) == 2
+    assert cache.has(("a", 4)), "the most recently used are kept"
+    assert cache.has(("a", 3)), "the most recently used are kept"
+    cache.get(("a", 3), build(("a", 3)), hot=False)
+    cache.get(("a", 5), build(("a", 5)), hot=False)
+    assert cache.has(("a", 3)), "a use moves a schedule to the back"
+    assert not cache.has(("a", 4))
+    assert log.count(("a", 3)) == 1
+
+
+def test_what_streams_use_is_kept_until_they_stop_using_it() -> None:
+    clock, log = Clock(), list[Any]()
+    cache = ScheduleCache(spare=1, hot_s=60, clock=clock)
+    build = made(log)
+    streamed = [cache.get(("job", e), build(("job", e)), hot=True) for e in range(3)]
+    for epoch in range(4):  # an inspector walks through other epochs
+        cache.get(("other", epoch), build(("other", epoch)), hot=False)
+    assert all(cache.has(("job", e)) for e in range(3)), "a stream's schedules were dropped"
+    assert len(cache) == 3 + 1
+    clock.now += 50
+    cache.get(("job", 0), build(("job", 0)), hot=True)  # still streamed
+    clock.now += 20
+    cache.get(("new", 0), build(("new", 0)), hot=False)
+    assert cache.has(("job", 0)), "a schedule used 20 s ago by a stream was dropped"
+    assert not cache.has(("job", 1)), "idle 70 s and kept"
+    assert not cache.has(("job", 2)), "idle 70 s and kept"
+    assert cache.get(("job", 0), build(("job", 0)), hot=True) is streamed[0]
+    clock.now += 61
+    cache.get(("newer", 0), build(("newer", 0)), hot=False)
+    assert len(cache) == 1, "every job idle, more kept than the spare"
+
+
+def test_a_failed_build_keeps_nothing_and_the_next_caller_builds_again() -> None:
+    cache: Any = ScheduleCache()
+    calls = []
+
+    def failing() -> Any:
+        calls.append(1)
+        raise RuntimeError("no")
+
+    for _ in range(2):
+        with pytest.raises(RuntimeError):
+            cache.get(("a", 0), failing, hot=False)
+    assert len(calls) == 2
+    assert len(cache) == 0
+    assert cache.get(("a", 0), lambda: "ok", hot=False) == "ok"
+
+
+def test_inspection_builds_one_at_a_time_and_refuses_beyond_its_queue() -> None:
+    cache: Any = ScheduleCache()  # its builds here return stand-ins, not schedules
+    release = threading.Event()
+    started = threading.Event()
+
+    def slow() -> Any:
+        started.set()
+        release.wait(30)
+        return "slow"
+
+    results: dict[str, Any] = {}
+
+    def ask(name: str, key: tuple[str, int], build: Any, hot: bool) -> None:
+        try:
+            results[name] = cache.get(key, build, hot=hot)
+        except ScheduleBusyError as exc:
+            results[name] = exc
+
+    first = threading.Thread(target=ask, args=("first", ("a", 1), slow, False))
+    first.start()
+    assert started.wait(10)
+    waiting = [
+        threading.Thread(target=ask, args=(f"wait{i}", ("a", 2 + i), lambda: "later", False))
+        for i in range(2)
+    ]
+    for t in waiting:
+        t.start()
+    deadline = time.monotonic() + 10
+    while cache._cold_waiting < jobs.MAX_COLD_WAITING and time.monotonic() < deadline:
+        time.sleep(0.01)
+    with pytest.raises(ScheduleBusyError) as busy:
+        cache.get(("a", 9), lambda: "refused", hot=False)
+    assert busy.value.kind == "unavailable"
+    assert busy.value.retry_after > 0
+    # the same epoch as the one being built waits for it instead; a stream's build never queues
+    same = threading.Thread(target=ask, args=("same", ("a", 1), lambda: "twice", False))
+    same.start()
+    assert cache.get(("stream", 0), lambda: "streamed", hot=True) == "streamed"
+    release.set()
+    for t in (first, same, *waiting):
+        t.join(30)
+    assert results == {"first": "slow", "same": "slow", "wait0": "later", "wait1": "later"}
+
+
+def test_a_busy_inspection_is_a_503_with_retry_after(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    lengths = (np.arange(4000, dtype=np.int64) * 37) % 128 + 1
+    dataset = SimpleNamespace(lengths=lengths, fingerprint="ds", path=str(tmp_path), num_rows=len(lengths))
+    store = EmbeddedStore(tmp_path / "state.db")
+    registry = JobRegistry(dataset, CONFIG, store)  # type: ignore[arg-type]
+    job = registry.open("run", 2)
+    release, started = threading.Event(), threading.Event()
+    real_plan = jobs.plan_schedule
+
+    def plan(*args: Any) -> Any:
+        if args[2] >= 5:  # epochs 5 and later: held until released
+            started.set()
+            release.wait(30)
+        return real_plan(*args)
+
+    monkeypatch.setattr(jobs, "plan_schedule", plan)
+    client = TestClient(create_app(Inspector(registry), ServerMetrics()))
+    statuses: dict[int, int] = {}
+
+    def get(epoch: int) -> None:
+        statuses[epoch] = client.get(f"/v1/jobs/run/buckets?epoch={epoch}").status_code
+
+    threads = [threading.Thread(target=get, args=(5,))]
+    threads[0].start()
+    assert started.wait(10)
+    threads += [threading.Thread(target=get, args=(e,)) for e in (6, 7)]
+    for t in threads[1:]:
+        t.start()
+    deadline = time.monotonic() + 10
+    while registry.schedules._cold_waiting < jobs.MAX_COLD_WAITING and time.monotonic() < deadline:
+        time.sleep(0.01)
+    refused = client.get("/v1/jobs/run/buckets?epoch=8")
+    assert refused.status_code == 503, refused.text
+    assert refused.headers["Retry-After"].isdigit()
+    assert refused.json()["kind"] == "unavailable"
+    page = client.get("/?job=run&epoch=9")
+    assert page.status_code == 503
+    assert "Retry-After" in page.headers
+    # a trainer's stream is not held up by the inspection queue
+    assert job.batch(Position(0, 0), 0).epoch == 0
+    release.set()
+    for t in threads:
+        t.join(30)
+    assert statuses == {5: 200, 6: 200, 7: 200}
+
+
+def test_jobs_that_follow_one_schedule_share_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    lengths = (np.arange(4000, dtype=np.int64) * 37) % 128 + 1
+    dataset = SimpleNamespace(lengths=lengths, fingerprint="ds", path=str(tmp_path), num_rows=len(lengths))
+    registry = JobRegistry(dataset, CONFIG, EmbeddedStore(tmp_path / "state.db"))  # type: ignore[arg-type]
+    built: list[int] = []
+    real_plan = jobs.plan_schedule
+
+    def plan(*args: Any) -> Any:
+        built.append(args[3])  # the world size
+        return real_plan(*args)
+
+    monkeypatch.setattr(jobs, "plan_schedule", plan)
+    runs = [registry.open(f"run-{i}", 2) for i in range(10)]
+    other = registry.open("wide", 4)
+    scheds = [job.schedule(0, hot=True) for job in runs]
+    assert all(s is scheds[0] for s in scheds)
+    assert other.schedule(0, hot=True) is not scheds[0]
+    assert built == [2, 4], f"built for world sizes {built}"
