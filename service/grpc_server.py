@@ -234,6 +234,7 @@ class BatchServicer:
         self._stopping = False
         self.metrics = metrics if metrics is not None else ServerMetrics()
         self.metrics.watch_streams(self.stream_depths, self.limits.max_sessions, self.limits.per_job)
+        self.metrics.schedules_cached = registry.schedules.__len__
 
     def handler(self) -> Any:
         return rpc.batch_service_handler(self.stream, self.describe)  # type: ignore[arg-type]

@@ -50,6 +50,7 @@ METRIC_NAMES: Final = (
     "ladle_streams_open",
     "ladle_streams_limit",
     "ladle_streams_refused_total",
+    "ladle_schedules_cached",
     "ladle_store_seconds",
     "ladle_errors_total",
 )
@@ -149,6 +150,11 @@ class _Served(Collector):
         limit.add_metric(["server"], m.stream_limits[0])
         limit.add_metric(["job"], m.stream_limits[1])
         yield limit
+        yield GaugeMetricFamily(
+            "ladle_schedules_cached",
+            "Epoch schedules this server holds in memory (each about 10 bytes per dataset row)",
+            value=m.schedules_cached(),
+        )
 
 
 class ServerMetrics:
@@ -165,6 +171,7 @@ class ServerMetrics:
         self.send_seconds = LoopHistogram(_FAST)
         self.depths: StreamDepths = lambda: ()
         self.stream_limits = (0, 0)  # (per server, per job); 0: not reported yet
+        self.schedules_cached: Callable[[], int] = lambda: 0
         self.store_seconds = Histogram(
             "ladle_store_seconds",
             "Cursor store operation latency",

@@ -122,6 +122,7 @@ def test_every_job_endpoint_against_the_schedule(module_server: ServerProcess, s
             assert after[("ladle_bytes_served_total", labels)] > 100 * sent
             assert 0 <= after[("ladle_stream_prefetch_depth", labels)] <= 4
         assert after[("ladle_streams_open", ())] == 2
+        assert 1 <= after[("ladle_schedules_cached", ())] <= 2 + 4, "epoch 0 (and 1 ahead), a few spare"
         count = ("ladle_batch_assembly_seconds_count", ())
         assert after[count] - before.get(count, 0) >= sum(taken)
         assert after[("ladle_stream_send_seconds_count", ())] >= sum(taken)
