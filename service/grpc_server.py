@@ -24,6 +24,7 @@ import functools
 import logging
 import time
 from collections.abc import AsyncIterator
+from concurrent.futures import Executor, ThreadPoolExecutor
 from typing import Any
 
 import grpc
@@ -37,13 +38,16 @@ from .errors import ConfigError, FencedError, JobNotFoundError, LadleError
 from .jobs import Job, JobRegistry
 from .limits import Limits
 from .metrics import ServerMetrics, StreamMeter
+from .schedule import Schedule
 from .store.base import Position
 
-__all__ = ["ACK_FLUSH_SECONDS", "BatchServicer", "StreamAbortedError", "status_of"]
+__all__ = ["ACK_FLUSH_SECONDS", "STORE_WRITERS", "BatchServicer", "StreamAbortedError", "status_of"]
 
 log = logging.getLogger("ladle.server")
 
 ACK_FLUSH_SECONDS = 0.05
+# Threads that write streams' cursors to the store (each stream has at most one write in flight).
+STORE_WRITERS = 16
 # Longest error message sent back: the status details and the trailer both carry it, and
 # a client refuses response headers and trailers over 16 KiB or so.
 _MAX_MESSAGE_CHARS = 2000
@@ -107,6 +111,7 @@ class _Session:
         start: Position,
         credits: int,
         flush_every: float = ACK_FLUSH_SECONDS,
+        store_executor: Executor | None = None,
     ) -> None:
         self.job = job
         self.flush_every = flush_every
@@ -120,6 +125,8 @@ class _Session:
         self.stored = start
         self.last_flush = 0.0
         self.deferred: asyncio.TimerHandle | None = None
+        self.writing: asyncio.Future[Position] | None = None  # the store write in flight
+        self.store_executor = store_executor
         self.failure: BaseException | None = None
         self.requests_done = False
         self.replaced = False
@@ -132,11 +139,16 @@ class _Session:
     def flush(self, *, force: bool = False) -> None:
         """Write the acknowledged position to the store if it moved (at most every ``flush_every`` s).
 
-        A write held back is done ``flush_every`` after the previous one, so the
-        stored cursor is never more than that behind a trainer that pauses.
+        Call on the event loop. The write runs on ``store_executor``, one at a
+        time per stream, so a store that is slow or gone (a Redis that stopped
+        answering waits out its socket timeout) holds up this stream's cursor
+        and no other stream's batches. A write held back is done
+        ``flush_every`` after the previous one, so the stored cursor is never
+        more than that behind a trainer that pauses; one that comes while a
+        write is in flight follows it.
         """
         target = self.acked
-        if target <= self.stored or self.replaced:
+        if target <= self.stored or self.replaced or self.writing is not None:
             return
         now = time.monotonic()
         if not force and now - self.last_flush < self.flush_every:
@@ -145,26 +157,55 @@ class _Session:
                 self.deferred = asyncio.get_running_loop().call_later(wait, self._flush_deferred)
             return
         self.last_flush = now
+        self.writing = asyncio.get_running_loop().run_in_executor(self.store_executor, self._write, target)
+        self.writing.add_done_callback(self._written)
+
+    async def drain(self) -> None:
+        """Write the last acknowledged position and wait for it (the end of the stream).
+
+        The stream's status goes to the trainer after this, so a trainer that
+        restarts from the stored cursor finds everything it acknowledged.
+        """
+        while True:
+            if self.writing is None:
+                self.flush(force=True)
+                if self.writing is None:
+                    return
+            try:
+                await asyncio.shield(self.writing)
+            except asyncio.CancelledError:
+                return  # cancelled again while ending: the write still completes on its thread
+            except Exception:  # _written (which ran first) recorded it: no retry at the end
+                return
+
+    def _write(self, target: Position) -> Position:
+        """Move the stored cursor to ``target`` (on a store thread); raises what the stream ends with."""
         store, name = self.job.store, self.job.name
         try:
-            try:
-                store.advance(name, self.rank, self.generation, target)
-            except FencedError as exc:
-                if exc.current >= self.generation:
-                    raise self._fenced() from None
-                self._reconcile(
-                    target, f"it holds generation {exc.current} for a process of {exc.generation}"
-                )
-            except JobNotFoundError:
-                store.open_job(self.job.spec, incarnation=self.job.incarnation or None, plan=self.job.plan)
-                self._reconcile(target, "the job was gone")
-        except StreamAbortedError as exc:
+            store.advance(name, self.rank, self.generation, target)
+        except FencedError as exc:
+            if exc.current >= self.generation:
+                raise self._fenced() from None
+            self._reconcile(target, f"it holds generation {exc.current} for a process of {exc.generation}")
+        except JobNotFoundError:
+            store.open_job(self.job.spec, incarnation=self.job.incarnation or None, plan=self.job.plan)
+            self._reconcile(target, "the job was gone")
+        return target
+
+    def _written(self, done: asyncio.Future[Position]) -> None:
+        """A write finished (on the event loop): note it, or end the stream with its error."""
+        self.writing = None
+        if done.cancelled():
+            return
+        exc = done.exception()
+        if exc is not None:
+            if not isinstance(exc, LadleError):
+                log.error("job %s rank %d: the cursor write failed", self.job.name, self.rank, exc_info=exc)
             self.fail(exc)
             return
-        except LadleError as exc:
-            self.fail(exc)
-            return
-        self.stored = max(self.stored, target)
+        self.stored = max(self.stored, done.result())
+        if self.acked > self.stored and self.failure is None:
+            self.flush()  # acknowledged while it was written: the next one, at its time
 
     def _flush_deferred(self) -> None:
         self.deferred = None
@@ -186,16 +227,24 @@ class _Session:
             self.generation,
         )
 
-    def _fenced(self) -> StreamAbortedError:
-        """Why this stream may no longer move the cursor: a newer process, or a resize of the job."""
-        try:
-            state = self.job.store.get(self.job.name)
-            resized = state.spec.world_size != self.job.world_size or state.plan != self.job.plan
-        except LadleError:
-            resized = False
+    def _fenced(self, now: Job | None = None) -> StreamAbortedError:
+        """Why this stream may no longer move the cursor: a newer process, or a resize of the job.
+
+        ``now``: the job as the stream that replaces this one follows it; None
+        asks the store (on a store thread only).
+        """
+        if now is not None:
+            resized, world_size = now.fingerprint != self.job.fingerprint, now.world_size
+        else:
+            try:
+                state = self.job.store.get(self.job.name)
+                resized = state.spec.world_size != self.job.world_size or state.plan != self.job.plan
+                world_size = state.spec.world_size
+            except LadleError:
+                resized, world_size = False, self.job.world_size
         if resized:
             why = (
-                f"job {self.job.name!r} was resized to {state.spec.world_size} ranks by an elastic restart; "
+                f"job {self.job.name!r} was resized to {world_size} ranks by an elastic restart; "
                 f"this stream of rank {self.rank} of the old world of {self.job.world_size} ends"
             )
         else:
@@ -232,6 +281,8 @@ class BatchServicer:
         # sessions admitted whose Open is still with the store (off the loop), by (job, rank)
         self._opening: dict[tuple[str, int], int] = {}
         self._stopping = False
+        # the streams' cursor writes: off the event loop, so a store that hangs stops no batch
+        self.store_executor = ThreadPoolExecutor(STORE_WRITERS, thread_name_prefix="ladle-store")
         self.metrics = metrics if metrics is not None else ServerMetrics()
         self.metrics.watch_streams(self.stream_depths, self.limits.max_sessions, self.limits.per_job)
         self.metrics.schedules_cached = registry.schedules.__len__
@@ -247,6 +298,10 @@ class BatchServicer:
         self.metrics.error("grpc", status_of(exc).name)
         await _abort(context, exc)
 
+    def close(self) -> None:
+        """Let the cursor writes still queued run, without waiting for them (after the server stopped)."""
+        self.store_executor.shutdown(wait=False)
+
     def stop_streams(self) -> None:
         """Ask every open stream to end with UNAVAILABLE (call on the server's event loop)."""
         self._stopping = True
@@ -259,13 +314,8 @@ class BatchServicer:
 
     async def describe(self, request: pb.DescribeRequest, context: Any) -> pb.JobInfo:
         try:
-            job = self.registry.get(request.job)
-            if job is None:
-                state = self.registry.store.get(request.job)  # JobNotFoundError if unknown
-                job = self.registry.open(request.job, state.spec.world_size)
-            state = job.state()
-            epoch = min(r.position.epoch for r in state.ranks) if state.ranks else 0
-            sched = await asyncio.to_thread(functools.partial(job.schedule, epoch, hot=True))
+            # the store and a schedule build may take a while: off the event loop
+            job, epoch, sched = await asyncio.to_thread(self._describe, request.job)
             return pb.JobInfo(
                 job=job.name,
                 world_size=job.world_size,
@@ -282,6 +332,16 @@ class BatchServicer:
         except (JobNotFoundError, LadleError) as exc:
             await self._abort(context, exc)
         raise AssertionError("unreachable")
+
+    def _describe(self, name: str) -> tuple[Job, int, Schedule]:
+        """The job ``name``, the epoch of its slowest rank and that epoch's schedule (a worker thread)."""
+        job = self.registry.get(name)
+        if job is None:
+            state = self.registry.store.get(name)  # JobNotFoundError if unknown
+            job = self.registry.open(name, state.spec.world_size)
+        state = job.state()
+        epoch = min(r.position.epoch for r in state.ranks) if state.ranks else 0
+        return job, epoch, job.schedule(epoch, hot=True)
 
     # --- Stream ---
 
@@ -313,7 +373,7 @@ class BatchServicer:
                 other_key[0] == key[0] and other.job.fingerprint != session.job.fingerprint
             ):
                 other.replaced = True
-                other.fail(other._fenced())
+                other.fail(other._fenced(session.job))
                 del self._active[other_key]
         self._active[key] = session
         reader = asyncio.create_task(self._read(requests, session))
@@ -334,7 +394,7 @@ class BatchServicer:
         finally:
             reader.cancel()
             self.metrics.ended(meter)
-            session.flush(force=True)
+            await session.drain()
             if self._active.get(key) is session:
                 del self._active[key]
         if session.failure is not None:
@@ -448,7 +508,9 @@ class BatchServicer:
             start,
             o.client_id or "-",
         )
-        session = _Session(job, o.rank, joined.generation, start, o.prefetch, self.ack_flush_s)
+        session = _Session(
+            job, o.rank, joined.generation, start, o.prefetch, self.ack_flush_s, self.store_executor
+        )
         session.stored = joined.position
         return session
 

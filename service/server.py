@@ -201,6 +201,8 @@ class BatchServer:
             if self._loop_thread is not None:
                 self._loop_thread.join(timeout=10)
             self._loop.close()
+        if self._servicer is not None:
+            self._servicer.close()
         if self._store is not None:
             self._store.close()
 

@@ -13,6 +13,7 @@ import http.client
 import json
 import os
 import shutil
+import signal
 import socket
 import threading
 import time
@@ -377,6 +378,59 @@ def test_a_dataset_truncated_while_served(
 # ------------------------------------------------------------------ Redis goes away
 
 
+class Trainers:
+    """``world`` trainer threads reading one epoch each of ``job`` (20 ms a batch), errors kept."""
+
+    def __init__(self, server: ServerProcess, job: str, world: int) -> None:
+        self.got: dict[int, list[dict[str, Any]]] = {r: [] for r in range(world)}
+        self.errors: list[BaseException] = []
+        self.reconnects: dict[int, int] = {}
+        self.threads = [
+            threading.Thread(target=self._train, args=(server, job, world, r), daemon=True)
+            for r in range(world)
+        ]
+        for t in self.threads:
+            t.start()
+
+    def _train(self, server: ServerProcess, job: str, world: int, rank: int) -> None:
+        try:
+            with BatchClient(rank, world, server.address, job, timeout=120) as client:
+                for batch in client:
+                    self.got[rank].append({"step": batch.step, "sample_ids": np.array(batch.sample_ids)})
+                    time.sleep(0.02)
+                self.reconnects[rank] = client.reconnects
+        except BaseException as exc:  # surfaced by the test
+            self.errors.append(exc)
+
+    def wait_for(self, steps: int) -> None:
+        deadline = time.monotonic() + 60
+        while min(len(g) for g in self.got.values()) < steps:
+            assert not self.errors, self.errors
+            assert time.monotonic() < deadline, "the trainers made no progress"
+            time.sleep(0.01)
+
+    def join(self, timeout: float) -> None:
+        for t in self.threads:
+            t.join(timeout=timeout)
+
+    def check_exactly_once(self, dataset: Path) -> None:
+        """Every rank got its steps in order, each batch as scheduled, and every row once."""
+        assert not self.errors, self.errors
+        sched = reference(dataset, len(self.got))
+        served = []
+        for rank, got in self.got.items():
+            steps = [b["step"] for b in got]
+            assert steps == list(range(sched.num_steps)), f"rank {rank}: a step lost or repeated"
+            for b in got:
+                assert np.array_equal(b["sample_ids"], sched.samples(b["step"], rank)), (
+                    f"rank {rank}: other samples"
+                )
+                served.append(b["sample_ids"])
+        ids = np.concatenate(served)
+        assert len(np.unique(ids)) == len(ids), "duplicate samples"
+        assert len(ids) + len(sched.dropped) == open_dataset(dataset).num_rows, "missing samples"
+
+
 def test_redis_going_away_mid_epoch(
     redis_server_factory: Callable[..., Any], server_factory: Factory, small_dataset: Path
 ) -> None:
@@ -385,29 +439,10 @@ def test_redis_going_away_mid_epoch(
     redis = redis_server_factory(appendonly=True, appendfsync="always")
     server = server_factory(extra=["--redis-url", redis.url])
     sched = reference(small_dataset, world)
-    got: dict[int, list[dict[str, Any]]] = {r: [] for r in range(world)}
-    errors: list[BaseException] = []
-    reconnects: dict[int, int] = {}
-
-    def train(rank: int) -> None:
-        try:
-            with BatchClient(rank, world, server.address, "redis-outage", timeout=120) as client:
-                for batch in client:
-                    got[rank].append({"step": batch.step, "sample_ids": np.array(batch.sample_ids)})
-                    time.sleep(0.02)
-                reconnects[rank] = client.reconnects
-        except BaseException as exc:  # surfaced below
-            errors.append(exc)
-
-    threads = [threading.Thread(target=train, args=(r,), daemon=True) for r in range(world)]
-    for t in threads:
-        t.start()
+    trainers = Trainers(server, "redis-outage", world)
+    got = trainers.got
     try:
-        deadline = time.monotonic() + 60
-        while min(len(g) for g in got.values()) < sched.num_steps // 4:
-            assert not errors, errors
-            assert time.monotonic() < deadline, "the trainers made no progress"
-            time.sleep(0.01)
+        trainers.wait_for(sched.num_steps // 4)
         redis.stop()
         deadline = time.monotonic() + 30
         while http_get(server, "/readyz")[0] != 503:
@@ -415,28 +450,72 @@ def test_redis_going_away_mid_epoch(
             time.sleep(0.1)
         stalled = {r: len(g) for r, g in got.items()}
         time.sleep(3.0)  # longer than the client's first backoffs
-        assert not errors, f"a trainer failed instead of waiting: {errors}"
-        assert all(t.is_alive() for t in threads), "a trainer gave up while Redis was away"
+        assert not trainers.errors, f"a trainer failed instead of waiting: {trainers.errors}"
+        assert all(t.is_alive() for t in trainers.threads), "a trainer gave up while Redis was away"
         assert all(len(got[r]) <= stalled[r] + 8 for r in got), "batches flowed with no store"
         redis.start()  # same port, the AOF brings the cursors back
-        for t in threads:
-            t.join(timeout=120)
-        assert not errors, errors
+        trainers.join(timeout=120)
+        assert not trainers.errors, trainers.errors
+        reconnects = trainers.reconnects
         assert all(n >= 1 for n in reconnects.values()), f"the outage reached no trainer: {reconnects}"
         assert http_get(server, "/readyz")[0] == 200
     finally:
         redis.start()
-        for t in threads:
-            t.join(timeout=30)
-    served = []
-    for rank in range(world):
-        steps = [b["step"] for b in got[rank]]
-        assert steps == list(range(sched.num_steps)), f"rank {rank}: a step lost or repeated"
-        for b in got[rank]:
-            assert np.array_equal(b["sample_ids"], sched.samples(b["step"], rank)), (
-                f"rank {rank}: other samples"
+        trainers.join(timeout=30)
+    trainers.check_exactly_once(small_dataset)
+
+
+def test_a_redis_that_stops_answering_stops_no_other_call(
+    redis_server_factory: Callable[..., Any], server_factory: Factory, small_dataset: Path
+) -> None:
+    """A Redis that hangs (SIGSTOP: connected, silent) holds up cursor writes, not the server's event loop.
+
+    Each write waits out the store's socket timeout (5 s) on a store thread:
+    health checks and Describe still answer at once, and the epoch ends
+    exactly once when Redis answers again. (With the writes on the event
+    loop, each stream's write froze every call for 5 s, one stream after
+    another.)
+    """
+    world = 3
+    redis = redis_server_factory()
+    server = server_factory(extra=["--redis-url", redis.url])
+    sched = reference(small_dataset, world)
+    trainers = Trainers(server, "redis-hangs", world)
+    slowest: list[float] = []
+    try:
+        trainers.wait_for(sched.num_steps // 4)
+        with grpc.insecure_channel(server.address) as channel:
+            health = channel.unary_unary(
+                "/grpc.health.v1.Health/Check", request_serializer=None, response_deserializer=None
             )
-            served.append(b["sample_ids"])
-    ids = np.concatenate(served)
-    assert len(np.unique(ids)) == len(ids), "duplicate samples"
-    assert len(ids) + len(sched.dropped) == open_dataset(small_dataset).num_rows, "missing samples"
+            describe = rpc.BatchServiceClient(channel)
+
+            def probe() -> None:
+                began = time.monotonic()
+                try:
+                    health(b"", timeout=10)
+                except grpc.RpcError as exc:
+                    if exc.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
+                        raise  # (10 s without an answer is counted as 10 s)
+                slowest.append(time.monotonic() - began)
+
+            probe()
+            os.kill(redis.pid, signal.SIGSTOP)
+            try:
+                stalled = time.monotonic()
+                while time.monotonic() - stalled < 8.0:  # the writes of every stream time out
+                    probe()
+                    time.sleep(0.25)
+                with pytest.raises(grpc.RpcError) as refused:
+                    describe.describe("no-such-job", timeout=10)
+                # a Describe waits for the store on a thread of its own: the loop is free meanwhile
+                assert refused.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.NOT_FOUND)
+                probe()
+            finally:
+                os.kill(redis.pid, signal.SIGCONT)
+        trainers.join(timeout=120)
+    finally:
+        os.kill(redis.pid, signal.SIGCONT)
+        trainers.join(timeout=30)
+    assert max(slowest) < 2.0, f"a health check waited {max(slowest):.1f}s while Redis hung"
+    trainers.check_exactly_once(small_dataset)
