@@ -171,12 +171,17 @@ class _Session:
                 self.flush(force=True)
                 if self.writing is None:
                     return
+            writing = self.writing
             try:
-                await asyncio.shield(self.writing)
+                await asyncio.shield(writing)
             except asyncio.CancelledError:
                 return  # cancelled again while ending: the write still completes on its thread
-            except Exception:  # _written (which ran first) recorded it: no retry at the end
+            except Exception:  # _written records it: no retry at the end
                 return
+            # A future can be done before its callbacks ran, and awaiting a done future does not
+            # yield: let _written run before looking again (else this loop spins for ever).
+            while self.writing is writing:
+                await asyncio.sleep(0)
 
     def _write(self, target: Position) -> Position:
         """Move the stored cursor to ``target`` (on a store thread); raises what the stream ends with."""
