@@ -15,6 +15,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import tracemalloc
 from typing import Any
 
 import numpy as np
@@ -61,7 +62,10 @@ def bench_build(rows: int, world_size: int = 8, repeat: int = 3) -> dict[str, An
         base_rss = _child_peak_rss(_RSS_CODE.format(path=path, body="pass"))
         body = f"s = build_schedule(lengths, ScheduleConfig(), world_size={world_size})"
         build_rss = _child_peak_rss(_RSS_CODE.format(path=path, body=body))
+    tracemalloc.start()  # what one schedule holds once built (a server keeps a few: ScheduleCache)
     sched = build_schedule(lengths, config, world_size=world_size)
+    held, traced_peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
     return {
         "rows": rows,
         "world_size": world_size,
@@ -74,6 +78,9 @@ def bench_build(rows: int, world_size: int = 8, repeat: int = 3) -> dict[str, An
         "ratio_vs_np_sort_int64": round(build_s / sort64_s, 1),
         "peak_rss_mib": round(build_rss, 1),
         "peak_rss_lengths_only_mib": round(base_rss, 1),
+        "schedule_held_mib": round(held / 2**20, 1),
+        "schedule_held_bytes_per_row": round(held / rows, 1),
+        "build_allocated_peak_mib": round(traced_peak / 2**20, 1),
         "target": "<= 5x np.sort, peak RSS < 1024 MiB",
     }
 

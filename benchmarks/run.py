@@ -46,7 +46,9 @@ def main(argv: list[str]) -> int:
     print(
         f"\nbuild_schedule {build['rows']:,} lengths W={build['world_size']}: {build['build_schedule_s']}s; "
         f"np.sort {build['np_sort_s']}s ({build['lengths_dtype']}) -> {build['ratio_vs_np_sort']}x "
-        f"({build['ratio_vs_np_sort_int64']}x vs int64 sort); peak RSS {build['peak_rss_mib']} MiB",
+        f"({build['ratio_vs_np_sort_int64']}x vs int64 sort); peak RSS {build['peak_rss_mib']} MiB; "
+        f"one schedule holds {build['schedule_held_mib']} MiB "
+        f"({build['schedule_held_bytes_per_row']} bytes a row)",
         file=sys.stderr,
     )
     ds = results["dataset"]

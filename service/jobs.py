@@ -156,7 +156,8 @@ class ScheduleCache:
     server has seen: every schedule a stream used in the last ``hot_s``
     seconds, and of the others (an idle job's, the next epoch prepared ahead,
     an epoch only inspected) the ``spare`` most recently used. A schedule of a
-    10M-row dataset holds about 100 MB and takes about a second to build.
+    10M-row dataset holds about 100 MB and takes about a second to build
+    (``benchmarks/bench_schedule.py``).
 
     A build for a stream (``hot=True``) starts at once. Builds for inspection
     (the HTTP face: ``hot=False``) run one at a time, with at most
