@@ -345,7 +345,7 @@ class Job:
             while step >= steps:  # the end of an epoch (or an empty one, which a resize can leave)
                 epoch, step = epoch + 1, 0
                 steps = self.steps(epoch, hot=hot)
-            return Position(epoch, step) if epoch != position.epoch else position
+            return Position(epoch, step)
         raise ConfigError(
             "step",
             f"position (epoch {position.epoch}, step {position.step}) is beyond the end of epoch "

@@ -73,6 +73,12 @@ def _errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
 _JOB_ERRORS = _errors(400, 401, 404, 409, 503)
 
 
+def _retry_after(exc: LadleError) -> dict[str, str] | None:
+    """A ``Retry-After`` header for an error that says when to ask again (``ScheduleBusyError``)."""
+    seconds = getattr(exc, "retry_after", None)
+    return {"Retry-After": str(seconds)} if isinstance(seconds, int) else None
+
+
 def _error_response(exc: LadleError, *, page: bool = False) -> JSONResponse:
     status = HTTP_STATUS.get(exc.kind, 500)
     body = ErrorBody(detail=str(exc), kind=exc.kind, field=getattr(exc, "field", None) or None)
@@ -80,9 +86,8 @@ def _error_response(exc: LadleError, *, page: bool = False) -> JSONResponse:
     if status == 401:
         # a browser asks for the token as a password on the page; scripts send it as a bearer token
         headers = {"WWW-Authenticate": 'Basic realm="ladle"' if page else 'Bearer realm="ladle"'}
-    retry_after = getattr(exc, "retry_after", None)
-    if status == 503 and isinstance(retry_after, int):
-        headers = {"Retry-After": str(retry_after)}
+    if status == 503:
+        headers = _retry_after(exc)
     return JSONResponse(body.model_dump(), status_code=status, headers=headers)
 
 
@@ -324,11 +329,8 @@ def create_app(
         try:
             html = page.render(inspector, job=job, epoch=epoch, start=start, world_size=world_size)
         except LadleError as exc:
-            retry = getattr(exc, "retry_after", None)
             return HTMLResponse(
-                page.render_error(exc),
-                status_code=HTTP_STATUS.get(exc.kind, 500),
-                headers={"Retry-After": str(retry)} if isinstance(retry, int) else None,
+                page.render_error(exc), status_code=HTTP_STATUS.get(exc.kind, 500), headers=_retry_after(exc)
             )
         return HTMLResponse(html)
 
