@@ -264,6 +264,15 @@ def _add_limit_options(parser: argparse.ArgumentParser) -> None:
         help=f"close a connection that has not finished its HTTP/2 (or TLS) handshake by then "
         f"(default: {d.handshake_timeout_s:.0f})",
     )
+    group.add_argument(
+        "--spare-schedules",
+        type=int,
+        default=d.spare_schedules,
+        metavar="N",
+        help=f"schedules kept beyond those streams use (and their next epochs): an idle job's, an "
+        f"inspected epoch's; each holds about 10 bytes a row, so lower it for huge datasets "
+        f"(default: {d.spare_schedules})",
+    )
 
 
 def limits_from_args(args: argparse.Namespace) -> Limits:
@@ -277,6 +286,7 @@ def limits_from_args(args: argparse.Namespace) -> Limits:
         keepalive_s=args.keepalive,
         idle_timeout_s=args.idle_timeout,
         handshake_timeout_s=args.handshake_timeout,
+        spare_schedules=args.spare_schedules,
     )
 
 

@@ -154,8 +154,9 @@ class ScheduleCache:
     Jobs of one world size and resize history follow the same schedule, so
     they share it. What is kept is bounded by use, not by how many jobs the
     server has seen: every schedule a stream used in the last ``hot_s``
-    seconds, and of the others (an idle job's, the next epoch prepared ahead,
-    an epoch only inspected) the ``spare`` most recently used. A schedule of a
+    seconds and the epoch after each of those (prepared ahead for its
+    boundary), and of the others (an idle job's, an epoch only inspected) the
+    ``spare`` most recently used. A schedule of a
     10M-row dataset holds about 100 MB and takes about a second to build
     (``benchmarks/bench_schedule.py``).
 
@@ -261,9 +262,16 @@ class ScheduleCache:
         ).start()
 
     def _evict(self) -> None:
-        """Drop the least recently used schedules no stream has used lately, beyond ``spare``."""
+        """Drop the least recently used schedules no stream has used lately, beyond ``spare``.
+
+        The epoch after one in use counts as in use: it was prepared ahead
+        (``Job.warm``) for the streams that reach its boundary, maybe hours
+        later, and dropping it would pause them while it is built again.
+        """
         now = self._clock()
-        idle = [key for key, (_, used) in self._items.items() if now - used > self.hot_s]
+        hot = {key for key, (_, used) in self._items.items() if now - used <= self.hot_s}
+        hot.update([(fingerprint, epoch + 1) for fingerprint, epoch in hot])
+        idle = [key for key in self._items if key not in hot]
         for key in idle[: max(0, len(idle) - self.spare)]:
             del self._items[key]
 
@@ -416,13 +424,20 @@ class Job:
 class JobRegistry:
     """The jobs one server serves: one dataset and config, any number of named jobs."""
 
-    def __init__(self, dataset: TokenDataset, config: ScheduleConfig, store: CursorStore) -> None:
+    def __init__(
+        self,
+        dataset: TokenDataset,
+        config: ScheduleConfig,
+        store: CursorStore,
+        *,
+        spare: int = SPARE_SCHEDULES,
+    ) -> None:
         self.dataset = dataset
         self.config = config
         self.store = store
         self._jobs: dict[str, Job] = {}
         self._lock = threading.Lock()
-        self.schedules = ScheduleCache()
+        self.schedules = ScheduleCache(spare)
 
     def open(
         self,

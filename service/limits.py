@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Final
 
 from .errors import ConfigError
+from .jobs import SPARE_SCHEDULES
 
 __all__ = ["RPC_HEADROOM", "Limits", "connection_cap"]
 
@@ -48,7 +49,9 @@ class Limits:
 
     ``max_sessions_per_job`` defaults to half of ``max_sessions`` (so one job
     cannot take the whole server) and ``max_connections`` to
-    ``connection_cap()``. Durations are seconds; ``idle_timeout_s=0`` never
+    ``connection_cap()``. ``spare_schedules`` is how many schedules no stream
+    uses the server keeps for reuse (``ScheduleCache``; each holds about 10
+    bytes a row of the dataset). Durations are seconds; ``idle_timeout_s=0`` never
     closes an idle connection.
     """
 
@@ -61,6 +64,7 @@ class Limits:
     keepalive_timeout_s: float = 10.0
     idle_timeout_s: float = 300.0
     handshake_timeout_s: float = 10.0
+    spare_schedules: int = SPARE_SCHEDULES
     per_job: int = field(init=False)
     connections: int = field(init=False)
 
@@ -69,6 +73,9 @@ class Limits:
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ConfigError(name, f"must be an integer >= 1, got {value!r}")
+        spare = self.spare_schedules
+        if isinstance(spare, bool) or not isinstance(spare, int) or spare < 0:
+            raise ConfigError("spare_schedules", f"must be an integer >= 0, got {spare!r}")
         if self.max_request_bytes < 1024:
             # an Open with a long job name and client id must still fit
             raise ConfigError("max_request_bytes", f"must be >= 1024, got {self.max_request_bytes}")

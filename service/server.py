@@ -115,7 +115,7 @@ class BatchServer:
             open_store(redis_url=self.redis_url, state_path=self.state_path, job_ttl_s=self.job_ttl_s),
             self.metrics,
         )
-        registry = JobRegistry(dataset, self.config, self._store)
+        registry = JobRegistry(dataset, self.config, self._store, spare=self.limits.spare_schedules)
         # Build epoch 0 now: a bad config fails at start-up, not on the first trainer.
         from .schedule import build_schedule
 

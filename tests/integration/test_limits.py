@@ -337,12 +337,12 @@ def test_serve_options_make_the_limits() -> None:
         [
             "serve", "ds", "--max-streams", "9", "--max-sessions-per-job", "3", "--max-prefetch", "5",
             "--max-request-bytes", "2048", "--max-connections", "40", "--keepalive", "7",
-            "--idle-timeout", "0", "--handshake-timeout", "2",
+            "--idle-timeout", "0", "--handshake-timeout", "2", "--spare-schedules", "0",
         ]
     )  # fmt: skip
     limits = limits_from_args(args)
     assert (limits.max_sessions, limits.per_job, limits.max_prefetch) == (9, 3, 5)
-    assert (limits.max_request_bytes, limits.connections) == (2048, 40)
+    assert (limits.max_request_bytes, limits.connections, limits.spare_schedules) == (2048, 40, 0)
     options = dict(limits.grpc_options(1000))
     assert options["grpc.keepalive_time_ms"] == 7000
     assert options["grpc.server_handshake_timeout_ms"] == 2000
@@ -352,7 +352,14 @@ def test_serve_options_make_the_limits() -> None:
 
 @pytest.mark.parametrize(
     ("field", "value"),
-    [("max_sessions", 0), ("max_prefetch", 0), ("max_request_bytes", 10), ("keepalive_s", 0.0)],
+    [
+        ("max_sessions", 0),
+        ("max_prefetch", 0),
+        ("max_request_bytes", 10),
+        ("keepalive_s", 0.0),
+        ("spare_schedules", -1),
+        ("spare_schedules", 1.5),
+    ],
 )
 def test_bad_limits_are_config_errors(field: str, value: Any) -> None:
     with pytest.raises(ConfigError, match=field):
@@ -362,3 +369,15 @@ def test_bad_limits_are_config_errors(field: str, value: Any) -> None:
 def test_ladle_serve_refuses_a_bad_limit(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["serve", "no-such-dataset", "--max-sessions", "0"]) == 2
     assert "max_sessions" in capsys.readouterr().err
+
+
+def test_spare_schedules_bound_what_the_server_keeps(serve: Serve) -> None:
+    """``--spare-schedules 0``: a schedule no stream uses (here, an inspected epoch) is not kept."""
+    server = serve(spare_schedules=0)
+    assert server._servicer is not None
+    registry = server._servicer.registry
+    job = registry.open("inspected", 2)
+    assert job.steps(3) > 0
+    assert metric(server, "ladle_schedules_cached") == 0, "an inspected epoch was kept with no spares"
+    job.steps(3, hot=True)  # as a stream uses it
+    assert metric(server, "ladle_schedules_cached") == 1

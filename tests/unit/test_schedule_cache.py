@@ -80,12 +80,29 @@ def test_what_streams_use_is_kept_until_they_stop_using_it() -> None:
     clock.now += 20
     cache.get(("new", 0), build(("new", 0)), hot=False)
     assert cache.has(("job", 0)), "a schedule used 20 s ago by a stream was dropped"
-    assert not cache.has(("job", 1)), "idle 70 s and kept"
+    assert cache.has(("job", 1)), "the epoch after one in use was dropped"
     assert not cache.has(("job", 2)), "idle 70 s and kept"
     assert cache.get(("job", 0), build(("job", 0)), hot=True) is streamed[0]
     clock.now += 61
     cache.get(("newer", 0), build(("newer", 0)), hot=False)
     assert len(cache) == 1, "every job idle, more kept than the spare"
+
+
+def test_the_next_epoch_prepared_ahead_outlives_a_long_epoch() -> None:
+    """Warmed at the middle of an epoch of hours, it is still there at the boundary under pressure."""
+    clock, log = Clock(), list[Any]()
+    cache = ScheduleCache(spare=1, hot_s=60, clock=clock)
+    build = made(log)
+    cache.get(("job", 7), build(("job", 7)), hot=True)
+    cache.get(("job", 8), build(("job", 8)), hot=True)  # what Job.warm does for epoch 8
+    for minute in range(1, 180):  # three hours of epoch 7, with inspection of other jobs
+        clock.now += 60
+        cache.cached(("job", 7), hot=True)
+        cache.get(("other", minute), build(("other", minute)), hot=False)
+    assert cache.has(("job", 8)), "the next epoch was dropped before the streams reached it"
+    assert cache.get(("job", 8), build(("job", 8)), hot=True) is not None
+    assert log.count(("job", 8)) == 1, "the next epoch was built twice"
+    assert len(cache) == 3, "beyond the streamed epoch, its next one and the spare"
 
 
 def test_a_failed_build_keeps_nothing_and_the_next_caller_builds_again() -> None:
