@@ -2,8 +2,12 @@
 
 Use it with ``DataLoader(BatchDataset(...), batch_size=None)``: the batches
 are already made by the server, so the loader must not batch again, and it
-must run in the training process (``num_workers=0``): two worker processes
-would both open the same rank and the second would fence the first.
+must run in the training process (``num_workers=0``). ``BatchClient``
+already reads ahead on a thread of its own, so a worker process would add a
+copy of every batch and nothing else; its position (``state_dict``) would be
+out of the training process's reach, so a checkpoint would silently hold the
+start; and two workers would both open the same rank, the second fencing
+the first.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from .batch import Batch
 from .client import BatchClient
+from .errors import BatchClientError
 
 __all__ = ["BatchDataset"]
 
@@ -35,11 +40,11 @@ class BatchDataset(IterableDataset[Batch]):
         return self._client
 
     def __iter__(self) -> Iterator[Batch]:
-        info = get_worker_info()
-        if info is not None and info.num_workers > 1:
-            raise RuntimeError(
-                "BatchDataset must run with DataLoader(num_workers=0 or 1): each worker would open the same "
-                "rank and fence the others"
+        if get_worker_info() is not None:
+            raise BatchClientError(
+                "BatchDataset must run with DataLoader(num_workers=0): BatchClient already reads ahead on "
+                "a thread of its own, and in a worker process its position would be out of state_dict()'s "
+                "reach (and a second worker would open the same rank and fence the first)"
             )
         return iter(self.client)
 

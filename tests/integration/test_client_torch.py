@@ -11,6 +11,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from ladle.client import BatchClient  # noqa: E402
+from ladle.client.errors import BatchClientError  # noqa: E402
 from ladle.client.torch_data import BatchDataset  # noqa: E402
 
 
@@ -35,4 +36,15 @@ def test_dataloader_adapter(server_factory: Callable[..., Any]) -> None:
     steps = [batch.step for batch in loader]
     assert steps == list(range(len(steps)))
     assert data.state_dict()["epoch"] == 1
+    data.close()
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_dataloader_workers_are_refused(server_factory: Callable[..., Any], workers: int) -> None:
+    """In a worker, the client's position would be out of the trainer's state_dict(): refused, not silent."""
+    server = server_factory()
+    data = BatchDataset(0, 1, server.address, "dl-workers", timeout=30)
+    loader = torch.utils.data.DataLoader(data, batch_size=None, num_workers=workers)
+    with pytest.raises(BatchClientError, match="num_workers=0"):
+        next(iter(loader))
     data.close()
