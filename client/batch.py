@@ -13,7 +13,7 @@ import numpy.typing as npt
 __all__ = ["Batch"]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Batch:
     """One rank's batch of one step.
 
@@ -27,6 +27,11 @@ class Batch:
     ``lengths`` the first time it is read (about 10 us for a 49152-token
     batch) and kept, so a trainer that never reads it (one that passes
     ``lengths`` to a variable-length attention kernel) never pays for it.
+
+    Batches compare and hash by identity (their arrays have no one truth
+    value). A batch pickles (``multiprocessing``, ``torch.save``) with its
+    arrays copied and ``attention_mask`` made; an unpickled batch's arrays
+    are its own, writable.
     """
 
     input_ids: Any
@@ -54,6 +59,15 @@ class Batch:
         batch = object.__new__(cls)
         batch.__dict__.update(fields)
         return batch
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["attention_mask"] = self.attention_mask  # made now: the function that makes it stays here
+        state["_mask"] = None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
 
     @cached_property
     def attention_mask(self) -> Any:

@@ -13,13 +13,18 @@ Imports only grpcio, numpy and ``ladle.proto`` (torch when ``device`` is given).
 
 from __future__ import annotations
 
+import atexit
+import ipaddress
 import logging
 import os
 import queue
+import re
 import socket
+import sys
 import threading
 import time
 import warnings
+import weakref
 from collections.abc import Callable, Iterator, Mapping
 from types import TracebackType
 from typing import Any, cast
@@ -50,6 +55,7 @@ _STATE_KEYS = ("version", "job", "rank", "world_size", "epoch", "step", "schedul
 _MAX_INDEX = 2**53 - 1
 _RECEIVE_LIMIT = 256 << 20  # far above any batch (a 49152-token batch frame is ~250 KiB)
 _BACKOFF_FIRST, _BACKOFF_MAX = 0.05, 2.0
+_MAX_TIMEOUT = 30 * 86400.0  # "wait for ever" enough for a trainer; gRPC's deadlines overflow far above it
 # An acknowledgement reaches the server at most this long after the trainer
 # asked for the next batch (sooner when three quarters of the prefetch window wait).
 ACK_DELAY = 0.005
@@ -80,12 +86,58 @@ def _from_env(value: Any, name: str, default: Any, kind: type) -> Any:
     if value is not None:
         return value
     raw = os.environ.get(name)
-    if raw is None or raw == "":
+    if raw is None or not raw.strip():
         return default
-    try:
-        return kind(raw)
-    except ValueError:
-        raise ValueError(f"environment variable {name}={raw!r} is not a valid {kind.__name__}") from None
+    if kind is int:
+        if not re.fullmatch(r"[0-9]+", raw.strip()):  # ASCII digits: no "1_0", no other scripts' digits
+            raise ValueError(f"environment variable {name}={raw!r} is not a valid int")
+        return int(raw)
+    return kind(raw)
+
+
+def _integer(value: Any, name: str, least: int) -> int:
+    """``value`` as an int if it is an integer (Python or numpy, not a bool) >= ``least``, else ValueError."""
+    if not _is_int(value) or value < least:
+        raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
+    return int(value)
+
+
+# A job name, as the cursor store accepts it (ladle.service.store.base; checked here so that a
+# bad one fails in the constructor, not at the first batch).
+_JOB_NAME = re.compile(r"[A-Za-z0-9._:-]{1,200}")
+_DEFAULT_PORT = 50051
+
+
+def _target(address: str) -> str:
+    """A gRPC target for ``address``: a host alone gets ladle's port 50051 (gRPC would take 443).
+
+    ``host:port`` and ``[v6]:port`` are kept, as are targets with a scheme
+    (``dns:///``, ``unix:``, ``ipv4:``); a malformed one, or a port outside
+    1..65535, is a ValueError at once instead of a timeout later.
+    """
+    if ":/" in address or address.startswith(("unix:", "unix-abstract:", "ipv4:", "ipv6:", "vsock:")):
+        return address
+    bad = ValueError(f"server address {address!r} is not host:port (port 1..65535)")
+    if address.startswith("["):  # [v6] or [v6]:port
+        host, close, rest = address[1:].partition("]")
+        if not close or not host or (rest and not rest.startswith(":")):
+            raise bad
+        port = rest[1:] if rest else None
+    elif address.count(":") > 1:  # a bare IPv6 address
+        host, port = address, None
+    else:
+        host, colon, port_ = address.partition(":")
+        port = port_ if colon else None
+    if ":" in host:
+        try:
+            ipaddress.IPv6Address(host)
+        except ValueError:
+            raise bad from None
+        if port is None:
+            return f"[{host}]:{_DEFAULT_PORT}"
+    if not host or (port is not None and not (re.fullmatch(r"[0-9]{1,5}", port) and 1 <= int(port) <= 65535)):
+        raise bad
+    return address if port is not None else f"{host}:{_DEFAULT_PORT}"
 
 
 class _Stream:
@@ -425,26 +477,28 @@ class BatchClient:
         client_certificate: bytes | str | os.PathLike[str] | None = None,
         client_key: bytes | str | os.PathLike[str] | None = None,
     ) -> None:
-        self.rank = int(_from_env(rank, "RANK", 0, int))
-        self.world_size = int(_from_env(world_size, "WORLD_SIZE", 1, int))
+        self.world_size = _integer(_from_env(world_size, "WORLD_SIZE", 1, int), "world_size", 1)
+        self.rank = _integer(_from_env(rank, "RANK", 0, int), "rank", 0)
         self.server = str(_from_env(server, "LADLE_SERVER", "127.0.0.1:50051", str))
-        self.job = str(_from_env(job, "LADLE_JOB", "default", str))
-        if self.world_size < 1:
-            raise ValueError(f"world_size must be >= 1, got {self.world_size}")
-        if not 0 <= self.rank < self.world_size:
+        self.job = _from_env(job, "LADLE_JOB", "default", str)
+        if self.rank >= self.world_size:
             raise ValueError(
                 f"rank {self.rank} is outside 0..{self.world_size - 1} (world_size={self.world_size})"
             )
-        if prefetch < 1:
-            raise ValueError(f"prefetch must be >= 1, got {prefetch}")
-        if timeout <= 0:
-            raise ValueError(f"timeout must be > 0, got {timeout}")
-        self.prefetch = int(prefetch)
+        if not isinstance(self.job, str) or _JOB_NAME.fullmatch(self.job) is None:
+            raise ValueError(f"job must be 1..200 characters of A-Z a-z 0-9 . _ : -, got {self.job!r}")
+        self.prefetch = _integer(prefetch, "prefetch", 1)
+        if (
+            isinstance(timeout, bool)
+            or not isinstance(timeout, int | float)
+            or not 0 < timeout <= _MAX_TIMEOUT
+        ):
+            raise ValueError(f"timeout must be seconds in (0, {_MAX_TIMEOUT:.0f}], got {timeout!r}")
         self.timeout = float(timeout)
         self.client_id = client_id or f"{socket.gethostname()}:{os.getpid()}"
         self.elastic = bool(elastic)
         # "a:50051,b:50051": replicas; rank r starts on the r-th (mod n) and fails over in turn
-        self.servers = [a.strip() for a in self.server.split(",") if a.strip()]
+        self.servers = [_target(a.strip()) for a in self.server.split(",") if a.strip()]
         if not self.servers:
             raise ValueError(f"server must name at least one host:port, got {self.server!r}")
         self._server_index = self.rank % len(self.servers)
@@ -452,8 +506,7 @@ class BatchClient:
         # the token travels only in the call metadata; never in a message, a log line or repr()
         self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
         self._credentials = _channel_credentials(tls, root_certificates, client_certificate, client_key)
-        self._device = device
-        self._pin = pin_memory
+        self._convert = _converter(device, pin_memory)
         self._channel: Any = None
         self._stub: rpc.BatchServiceClient | None = None
         self._stream: _ThreadedStream | _PolledStream | None = None
@@ -466,18 +519,38 @@ class BatchClient:
         self._generation: int | None = None
         self._incarnation = ""
         self._closed = False
+        # once fenced, for good: a fenced process must stop, not take its rank back
+        self._fence: FencedError | None = None
+        # one thread iterates at a time (two would race each other into streams that fence one
+        # another): _iterating refuses a second; _busy makes state_dict() from another thread wait
+        self._iterating = threading.Lock()
+        self._busy = threading.Lock()
+        # gRPC's channels do not survive a fork: a child must make its own client
+        self._pid = os.getpid()
         # read through _direct (else grpcio's iterator)
         self._polled = _READER == "polled" or (_READER != "thread" and _direct.grpc_is_tested())
         self.reconnects = 0
+        _LIVE.add(self)
 
     # --- state ---
 
     def state_dict(self) -> dict[str, Any]:
-        """The rank's position (a few integers) and the schedule fingerprint; consumes the held batch."""
-        self._consume_held()
-        if self._stream is not None:
-            self._stream.flush()
-        epoch, step = self._next if self._next is not None else (0, 0)
+        """The rank's position (a few integers) and the schedule fingerprint; consumes the held batch.
+
+        Before the first batch (and with no ``load_state_dict``), the position
+        is where the server will start this rank: the stored cursor of a job
+        that has already run. The client opens its stream to learn it, so a
+        checkpoint taken before any batch never rewinds the rank.
+        """
+        with self._busy:
+            self._check_usable()
+            self._consume_held()
+            if self._next is None:
+                self._receive(until_start=True)
+            if self._stream is not None:
+                self._stream.flush()
+            assert self._next is not None
+            epoch, step = self._next
         return {
             "version": STATE_VERSION,
             "job": self.job,
@@ -490,6 +563,11 @@ class BatchClient:
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Resume exactly where ``state`` (from ``state_dict()``) left off; the dict is not changed."""
+        with self._busy:
+            self._check_usable()
+            self._load(state)
+
+    def _load(self, state: Mapping[str, Any]) -> None:
         if not isinstance(state, Mapping):
             raise StateDictError(f"state must be a mapping, got {type(state).__name__}")
         missing = [k for k in _STATE_KEYS if k not in state]
@@ -538,20 +616,59 @@ class BatchClient:
         return self._epoch()
 
     def _epoch(self) -> Iterator[Batch]:
-        if self._closed:
-            raise BatchClientError("the client is closed")
+        first = True
         while True:
-            self._consume_held()
-            item = self._receive()
-            if isinstance(item, codec.DecodedEpochEnd):
-                self._next = (int(item.epoch) + 1, 0)
+            batch = self._take(first)
+            if batch is None:
                 return
-            batch = item
-            self._held = (batch.epoch, batch.step)
-            self._next = (batch.epoch, batch.step + 1)
+            first = False
             yield batch
 
-    def _receive(self) -> Batch | codec.DecodedEpochEnd:
+    def _take(self, first: bool) -> Batch | None:
+        """Consume the held batch and take the next one; None at the end of the epoch."""
+        if not self._iterating.acquire(blocking=False):
+            raise BatchClientError(
+                "two threads asked one BatchClient for a batch at once: it is one rank's stream, "
+                "so iterate it from one thread (a checkpoint thread may call state_dict())"
+            )
+        try:
+            with self._busy:
+                self._check_usable()
+                self._consume_held()
+                item = self._receive()
+                if isinstance(item, codec.DecodedEpochEnd):
+                    # the last iteration stopped (break) right after the epoch's last batch, and
+                    # this one starts at that epoch's end: no epoch of its own, go on into the next
+                    after_last = first and self._next == (item.epoch, item.steps)
+                    self._next = (int(item.epoch) + 1, 0)
+                    if not after_last:
+                        return None
+                    item = self._receive()
+                    if isinstance(item, codec.DecodedEpochEnd):  # an empty epoch (a resize can leave one)
+                        self._next = (int(item.epoch) + 1, 0)
+                        return None
+                batch = cast(Batch, item)
+                self._held = (batch.epoch, batch.step)
+                self._next = (batch.epoch, batch.step + 1)
+                return batch
+        finally:
+            self._iterating.release()
+
+    def _check_usable(self) -> None:
+        """Raise if this client cannot serve the caller: closed, fenced, or made in another process."""
+        if self._pid != os.getpid():
+            raise BatchClientError(
+                f"this BatchClient was made in process {self._pid}, not this one ({os.getpid()}): gRPC "
+                "does not survive a fork; make the client in the process that uses it, and start that "
+                "process with 'spawn' (multiprocessing, torch.multiprocessing) or before the parent uses gRPC"
+            )
+        if self._closed:
+            raise BatchClientError("the client is closed")
+        if self._fence is not None:
+            raise FencedError(str(self._fence), self._fence.code)
+
+    def _receive(self, *, until_start: bool = False) -> Any:
+        """The next batch or epoch end; with ``until_start``, return None once the stream has started."""
         deadline = time.monotonic() + self.timeout
         backoff = _BACKOFF_FIRST
         while True:
@@ -572,6 +689,8 @@ class BatchClient:
                 return item
             if isinstance(item, codec.DecodedStreamStart):
                 self._started(item)
+                if until_start:
+                    return None
                 continue
             self._drop_stream()
             if item is _END:
@@ -582,6 +701,8 @@ class BatchClient:
                 error = self._map_error(item)
             else:
                 raise item
+            if isinstance(error, FencedError):
+                self._fence = error
             if not isinstance(error, ServerUnavailableError) or time.monotonic() + backoff > deadline:
                 raise error
             if len(self.servers) > 1:
@@ -643,6 +764,8 @@ class BatchClient:
             return AuthenticationError(f"{self._address}: {message}", name)
         if details is not None and details.reason == "fenced":
             return FencedError(message, name)
+        if details is not None and details.reason == "schedule_mismatch":  # a loaded state of another job
+            return StateDictError(f"{self._address}: {message}", name)
         return BatchClientError(f"{self._address}: {message}", name)
 
     # --- connection ---
@@ -675,7 +798,8 @@ class BatchClient:
                 hint = (
                     " (TLS: check the CA, the server's name and TLS on both sides)"
                     if self._credentials
-                    else ""
+                    else " (is it running, is that its gRPC port, and if it serves TLS, pass tls=True "
+                    "or root_certificates=...?)"
                 )
                 raise ServerUnavailableError(
                     f"no batch server answered at {self.server} within {self.timeout:.0f}s{hint}",
@@ -710,13 +834,13 @@ class BatchClient:
         if self._polled and _direct.available(self._channel):
             try:
                 self._stream = _PolledStream(
-                    self._channel, self._metadata, first, self.prefetch, self._to_batch
+                    self._channel, self._metadata, first, self.prefetch, self._convert
                 )
                 return self._stream
             except (TypeError, AttributeError) as exc:  # a grpcio whose Cython layer differs
                 log.warning("rank %d: reading through grpcio's iterator (%s)", self.rank, exc)
                 self._polled = False
-        self._stream = _ThreadedStream(stub, first, self.prefetch, self._to_batch)
+        self._stream = _ThreadedStream(stub, first, self.prefetch, self._convert)
         return self._stream
 
     def _drop_stream(self) -> None:
@@ -736,40 +860,18 @@ class BatchClient:
         if self._stream is not None:
             self._stream.ack((held[0], held[1] + 1))
 
-    # --- arrays ---
-
-    def _to_batch(self, d: codec.DecodedBatch) -> Batch:
-        device, pin = self._device, self._pin
-        arrays: dict[str, Any] = {
-            "input_ids": d.input_ids,
-            "loss_mask": d.loss_mask,
-            "lengths": d.lengths,
-            "sample_ids": d.sample_ids,
-        }
-        if device is not None:
-            arrays = _to_torch(arrays, device, pin)
-
-        def mask() -> Any:  # made when the trainer first reads batch.attention_mask
-            array = d.attention_mask(np.int8)
-            return array if device is None else _to_torch({"mask": array}, device, pin)["mask"]
-
-        arrays.update(
-            epoch=d.epoch,
-            step=d.step,
-            rank=d.rank,
-            bucket=d.bucket,
-            real_tokens=d.real_tokens,
-            padded_tokens=d.padded_tokens,
-            extra={},
-            _mask=mask,
-        )
-        return Batch._make(arrays)
-
     # --- lifetime ---
 
     def close(self) -> None:
-        """Acknowledge the held batch and close the stream; idempotent."""
+        """Acknowledge the held batch and close the stream; idempotent.
+
+        In a forked child it only marks this client closed: the parent's
+        gRPC channel is not the child's to touch.
+        """
         if self._closed:
+            return
+        if self._pid != os.getpid():
+            self._closed = True
             return
         self._consume_held()
         if self._stream is not None:
@@ -788,13 +890,34 @@ class BatchClient:
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
+        if exc_type is not None:
+            self._held = None  # the trainer failed on it: not consumed, the next process gets it again
         self.close()
 
     def __del__(self) -> None:  # pragma: no cover - best effort
         try:
-            if not self._closed and self._stream is not None:
+            if not self._closed and self._stream is not None and self._pid == os.getpid():
                 self._stream.close()
         except Exception:
+            pass
+
+
+# Clients not closed when the interpreter exits are closed then, so what their trainers consumed is
+# acknowledged; after an uncaught exception, not the batch held when it struck.
+_LIVE: weakref.WeakSet[BatchClient] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_at_exit() -> None:
+    crashed = getattr(sys, "last_value", None) is not None
+    for client in list(_LIVE):
+        if client._closed or client._pid != os.getpid():
+            continue
+        try:
+            if crashed:
+                client._held = None
+            client.close()
+        except Exception:  # pragma: no cover - best effort at exit
             pass
 
 
@@ -846,6 +969,46 @@ def _channel_credentials(
     if tls is None and roots is None and cert is None:
         return None
     return grpc.ssl_channel_credentials(root_certificates=roots, private_key=key, certificate_chain=cert)
+
+
+def _converter(device: Any, pin: bool | None) -> Callable[[codec.DecodedBatch], Batch]:
+    """What turns a decoded frame into a ``Batch`` (on the reader thread).
+
+    A function of the device settings alone, not a method: the reader
+    threads hold it, and a client they held would never be collected (nor
+    its threads end) when a trainer drops it without ``close()``.
+    """
+
+    def to_batch(d: codec.DecodedBatch) -> Batch:
+        arrays: dict[str, Any] = {
+            "input_ids": d.input_ids,
+            "loss_mask": d.loss_mask,
+            "lengths": d.lengths,
+            "sample_ids": d.sample_ids,
+        }
+        if device is not None:
+            arrays = _to_torch(arrays, device, pin)
+
+        def mask() -> Any:  # made when the trainer first reads batch.attention_mask
+            array = d.attention_mask(np.int8)
+            if device is None:
+                array.flags.writeable = False  # as read-only as the other arrays: it is cached
+                return array
+            return _to_torch({"mask": array}, device, pin)["mask"]
+
+        arrays.update(
+            epoch=d.epoch,
+            step=d.step,
+            rank=d.rank,
+            bucket=d.bucket,
+            real_tokens=d.real_tokens,
+            padded_tokens=d.padded_tokens,
+            extra={},
+            _mask=mask,
+        )
+        return Batch._make(arrays)
+
+    return to_batch
 
 
 def _to_torch(arrays: dict[str, Any], device: Any, pin: bool | None) -> dict[str, Any]:

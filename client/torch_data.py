@@ -25,13 +25,21 @@ __all__ = ["BatchDataset"]
 
 
 class BatchDataset(IterableDataset[Batch]):
-    """One epoch per iteration of a ``BatchClient`` made lazily with these arguments."""
+    """One epoch per iteration of a ``BatchClient``: the one given, or one made lazily with these arguments.
+
+    ``BatchDataset(client)`` wraps a client; ``BatchDataset(rank, world_size,
+    server, job, ..., device="cpu")`` makes one with ``BatchClient``'s
+    arguments when first iterated.
+    """
 
     def __init__(self, *args: Any, device: Any = "cpu", **kwargs: Any) -> None:
         super().__init__()
+        given = args[0] if len(args) == 1 and not kwargs and isinstance(args[0], BatchClient) else None
+        if given is None and any(isinstance(a, BatchClient) for a in (*args, *kwargs.values())):
+            raise TypeError("BatchDataset takes a BatchClient alone, or BatchClient's arguments")
         self._args = args
         self._kwargs = dict(kwargs, device=device)
-        self._client: BatchClient | None = None
+        self._client: BatchClient | None = given
 
     @property
     def client(self) -> BatchClient:

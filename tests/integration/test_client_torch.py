@@ -48,3 +48,15 @@ def test_dataloader_workers_are_refused(server_factory: Callable[..., Any], work
     with pytest.raises(BatchClientError, match="num_workers=0"):
         next(iter(loader))
     data.close()
+
+
+def test_dataloader_adapter_over_a_client(server_factory: Callable[..., Any]) -> None:
+    server = server_factory()
+    with BatchClient(0, 1, server.address, "dl-client", timeout=30, device="cpu") as client:
+        data = BatchDataset(client)
+        assert data.client is client
+        steps = [batch.step for batch in torch.utils.data.DataLoader(data, batch_size=None)]
+        assert steps == list(range(len(steps)))
+        assert data.state_dict() == client.state_dict()
+    with pytest.raises(TypeError, match="BatchClient alone"):
+        BatchDataset(client, job="other")

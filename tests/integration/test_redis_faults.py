@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 from ladle.client import BatchClient, FencedError
 from ladle.service.schedule import Schedule
 
-from .test_serving import Factory, consume, drain, reference
+from .test_serving import Factory, consume, reference
 
 TRAINER = Path(__file__).with_name("trainer_proc.py")
 WORLD = 2
@@ -202,8 +202,17 @@ def test_a_replaced_trainer_is_fenced_across_replicas(
     next(it)
     new = BatchClient(0, 1, b.address, "fenced", timeout=10)
     next(iter(new))
+
+    # its next cursor write is refused by the store: at most ACK_FLUSH_SECONDS and a round trip
+    # after its next acknowledgement, so the old trainer takes its batches at a training step's
+    # pace here (taken as fast as possible, all 5 could arrive before the refusal does)
+    def train_slowly() -> None:
+        for _ in range(5):
+            next(it)
+            time.sleep(0.1)
+
     with pytest.raises(FencedError, match="replaced"):
-        drain(it, 5)  # its next acknowledgement is refused by the store
+        train_slowly()
     old.close()
     new.close()
 

@@ -10,6 +10,7 @@ import pytest
 
 from ladle.client import Batch, BatchClient, _direct
 from ladle.client import client as client_module
+from ladle.client.client import _converter
 from ladle.proto import codec
 
 from .test_proto import make_frame
@@ -23,9 +24,7 @@ def decoded() -> codec.DecodedBatch:
 def test_the_client_makes_the_batch_batch_init_makes() -> None:
     """``Batch._make`` (one ``__dict__`` update) sets every field ``Batch()`` sets, and stays frozen."""
     d = decoded()
-    client = BatchClient.__new__(BatchClient)  # _to_batch reads only the device settings
-    client._device, client._pin = None, None
-    got = client._to_batch(d)
+    got = _converter(None, None)(d)
     made = Batch(
         input_ids=d.input_ids,
         loss_mask=d.loss_mask,

@@ -1,0 +1,280 @@
+"""What a trainer can do with a ``BatchClient`` beyond the plain loop, against a real server.
+
+Each case is a way a real training script uses (or misuses) its client: it
+leaves a ``with`` block on an exception, stops right after an epoch's last
+batch, saves a checkpoint before its first batch, keeps running after it was
+fenced, forks, pickles a batch, forgets ``close()``, or shares the client
+between threads. Each must keep exactly-once delivery or fail clearly.
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from ladle.client import BatchClient
+from ladle.client.errors import BatchClientError, FencedError, StateDictError
+
+Server = Callable[..., Any]
+
+
+def steps(client: BatchClient, n: int) -> list[int]:
+    """The steps of the next ``n`` batches of the current iteration (a fresh one)."""
+    return [batch.step for _, batch in zip(range(n), client, strict=False)]
+
+
+def test_an_exception_in_a_with_block_does_not_consume_the_batch(module_server: Any) -> None:
+    """The trainer died on step 5 (an OOM): the next process trains on step 5 again."""
+
+    def train() -> None:
+        with BatchClient(0, 1, module_server.address, "with-exc") as c:
+            for batch in c:
+                if batch.step == 5:
+                    raise RuntimeError("OOM")
+
+    with pytest.raises(RuntimeError, match="OOM"):
+        train()
+    with BatchClient(0, 1, module_server.address, "with-exc") as again:
+        assert steps(again, 1) == [5]
+    with BatchClient(0, 1, module_server.address, "with-ok") as c:  # a clean exit consumes it
+        assert steps(c, 6) == list(range(6))
+    with BatchClient(0, 1, module_server.address, "with-ok") as again:
+        assert steps(again, 1) == [6]
+
+
+def test_stopping_after_an_epochs_last_batch_does_not_make_an_empty_epoch(module_server: Any) -> None:
+    with BatchClient(0, 1, module_server.address, "last-break", timeout=30) as c:
+        total = len(list(c))
+        assert c.state_dict()["epoch"] == 1
+        for batch in c:  # epoch 1, stopped on its last batch
+            if batch.step == total - 1:
+                break
+        following = [(b.epoch, b.step) for b in c]
+        assert following == [(2, s) for s in range(total)], "the next iteration was not epoch 2"
+
+
+def test_a_checkpoint_before_the_first_batch_holds_where_the_rank_starts(module_server: Any) -> None:
+    """A restarted trainer that saves before it reads must not rewind the rank to (0, 0)."""
+    with BatchClient(0, 1, module_server.address, "early-ckpt") as c:
+        assert steps(c, 5) == list(range(5))
+    restarted = BatchClient(0, 1, module_server.address, "early-ckpt")
+    state = restarted.state_dict()
+    assert (state["epoch"], state["step"]) == (0, 5)
+    assert state["schedule_fingerprint"], "a checkpoint without the schedule skips its check on load"
+    assert steps(restarted, 1) == [5], "state_dict() before the first batch lost or skipped one"
+    restarted.close()
+    with BatchClient(0, 1, module_server.address, "early-ckpt") as loaded:
+        loaded.load_state_dict(state)
+        assert steps(loaded, 1) == [5]
+
+
+def test_a_fenced_client_stays_fenced(module_server: Any) -> None:
+    """Retrying after FencedError must not take the rank back from the process that replaced it."""
+    old = BatchClient(0, 1, module_server.address, "fence-stays", prefetch=1, timeout=30)
+    it = iter(old)
+    assert [next(it).step for _ in range(3)] == [0, 1, 2]
+    new = BatchClient(0, 1, module_server.address, "fence-stays", prefetch=1, timeout=30)
+    new_it = iter(new)
+    first = next(new_it).step
+    with pytest.raises(FencedError):  # after the window the old stream had in flight
+        list(zip(range(4), it, strict=False))
+    for retry in (lambda: next(iter(old)), old.state_dict):
+        with pytest.raises(FencedError):
+            retry()
+    later = [next(new_it).step for _ in range(3)]
+    assert later == [first + 1, first + 2, first + 3], (
+        "the replacing process was fenced by the old one's retry"
+    )
+    old.close()
+    new.close()
+
+
+def test_a_schedule_mismatch_on_load_is_a_state_dict_error(module_server: Any) -> None:
+    with BatchClient(0, 1, module_server.address, "mismatch") as c:
+        steps(c, 2)
+        state = c.state_dict()
+    with BatchClient(0, 1, module_server.address, "mismatch", timeout=10) as c:
+        c.load_state_dict(dict(state, schedule_fingerprint="0" * 16))
+        with pytest.raises(StateDictError, match="schedule"):
+            next(iter(c))
+
+
+def test_batches_pickle_and_compare_by_identity(module_server: Any) -> None:
+    with BatchClient(0, 1, module_server.address, "pickled") as c:
+        batch = next(iter(c))
+    again = pickle.loads(pickle.dumps(batch))
+    for name in ("input_ids", "loss_mask", "lengths", "sample_ids", "attention_mask"):
+        np.testing.assert_array_equal(getattr(again, name), getattr(batch, name))
+    assert (again.epoch, again.step, again.real_tokens) == (batch.epoch, batch.step, batch.real_tokens)
+    assert copy.deepcopy(batch) != batch
+    assert batch == batch
+    assert len({batch, again}) == 2
+    with pytest.raises(ValueError, match="read-only"):
+        batch.attention_mask[0, 0] = 7  # cached: a write would change it for every later reader
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"rank": 1.7, "world_size": 2}, "rank must be an integer"),
+        ({"rank": True, "world_size": 2}, "rank must be an integer"),
+        ({"world_size": 2.5}, "world_size must be an integer"),
+        ({"prefetch": 2.7}, "prefetch must be an integer"),
+        ({"prefetch": "4"}, "prefetch must be an integer"),
+        ({"timeout": float("inf")}, "timeout must be seconds"),
+        ({"timeout": float("nan")}, "timeout must be seconds"),
+        ({"timeout": None}, "timeout must be seconds"),
+        ({"job": ""}, "job must be"),
+        ({"job": "team/run-1"}, "job must be"),
+        ({"job": "\ud800"}, "job must be"),
+        ({"server": "127.0.0.1:99999"}, "not host:port"),
+        ({"server": "garbage::::"}, "not host:port"),
+        ({"server": "127.0.0.1:abc"}, "not host:port"),
+    ],
+)
+def test_bad_arguments_fail_in_the_constructor(kwargs: dict[str, Any], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        BatchClient(**{"rank": 0, "world_size": 1, **kwargs})
+
+
+@pytest.mark.parametrize("raw", ["1_0", "\u0663", "1.0", " "])
+def test_rank_from_the_environment_is_plain_digits(monkeypatch: pytest.MonkeyPatch, raw: str) -> None:
+    monkeypatch.setenv("RANK", raw)
+    monkeypatch.setenv("WORLD_SIZE", "16")
+    if raw.strip():
+        with pytest.raises(ValueError, match="RANK"):
+            BatchClient()
+    else:
+        assert BatchClient().rank == 0
+
+
+def test_a_host_without_a_port_means_ladles_port() -> None:
+    given = "127.0.0.1, trainer-host, ::1, [::1], a:1, [::1]:2, dns:///b:3, unix:/run/ladle.sock"
+    assert BatchClient(0, 1, given).servers == [
+        "127.0.0.1:50051", "trainer-host:50051", "[::1]:50051", "[::1]:50051",
+        "a:1", "[::1]:2", "dns:///b:3", "unix:/run/ladle.sock",
+    ]  # fmt: skip
+
+
+def test_two_threads_at_once_are_refused_and_a_checkpoint_thread_is_not(module_server: Any) -> None:
+    client = BatchClient(0, 1, module_server.address, "threads", prefetch=2, timeout=30)
+    steps(client, 1)
+    errors: list[BaseException] = []
+    got: list[int] = []
+    start = threading.Barrier(4)
+
+    def read() -> None:
+        start.wait()
+        try:
+            for _, batch in zip(range(15), client, strict=False):
+                got.append(batch.step)
+        except BatchClientError as exc:
+            errors.append(exc)
+
+    def checkpoint() -> None:
+        start.wait()
+        for _ in range(20):
+            client.state_dict()
+
+    threads = [threading.Thread(target=read) for _ in range(3)] + [threading.Thread(target=checkpoint)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert all(not t.is_alive() for t in threads)
+    assert all("two threads" in str(e) for e in errors), errors
+    assert len(got) == len(set(got)), "a batch was handed out twice"
+    assert sorted(got) == list(range(1, 1 + len(got))), "a batch was skipped"
+    assert steps(client, 1) == [1 + len(got)]
+    client.close()
+
+
+def run_trainer(address: str, body: str, tmp_path: Path) -> subprocess.CompletedProcess[str]:
+    script = tmp_path / "trainer.py"
+    script.write_text(
+        textwrap.dedent(
+            f"""
+            import os, sys
+            from ladle.client import BatchClient
+            client = BatchClient(0, 1, {address!r}, "exit", timeout=30)
+            """
+        )
+        + textwrap.dedent(body)
+    )
+    return subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=tmp_path
+    )
+
+
+def test_a_script_that_ends_without_close_acknowledges_what_it_consumed(
+    server_factory: Server, tmp_path: Path
+) -> None:
+    server = server_factory()
+    clean = run_trainer(server.address, "it = iter(client)\nfor _ in range(5): next(it)\n", tmp_path)
+    assert clean.returncode == 0, clean.stderr
+    with BatchClient(0, 1, server.address, "exit") as c:
+        assert steps(c, 1) == [5], "a clean exit lost the acknowledgements of consumed batches"
+    crashed = run_trainer(
+        server.address,
+        "it = iter(client)\nfor _ in range(4): next(it)\nraise SystemError('crash')\n",
+        tmp_path,
+    )
+    assert crashed.returncode != 0
+    assert "crash" in crashed.stderr
+    with BatchClient(0, 1, server.address, "exit") as c:
+        # 5 above, then the crashed trainer's 6, 7, 8 consumed and 9 held
+        assert steps(c, 1) == [9], "the batch held when the trainer crashed was not given again"
+
+
+def test_a_dropped_client_ends_its_threads(module_server: Any) -> None:
+    before = threading.active_count()
+    for i in range(3):
+        client = BatchClient(0, 1, module_server.address, f"dropped-{i}")
+        steps(client, 2)
+        del client
+    gc.collect()
+    deadline = time.monotonic() + 10
+    while threading.active_count() > before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert threading.active_count() <= before, [t.name for t in threading.enumerate()]
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="fork")
+def test_a_forked_child_gets_a_clear_error_and_takes_nothing(module_server: Any, tmp_path: Path) -> None:
+    client = BatchClient(0, 1, module_server.address, "forked", timeout=10)
+    assert steps(client, 2) == [0, 1]
+    out = tmp_path / "child"
+    pid = os.fork()
+    if pid == 0:  # the child: must neither take a batch nor hang
+        code = 1
+        signal.alarm(30)
+        try:
+            try:
+                next(iter(client))
+                out.write_text("got a batch")
+            except BatchClientError as exc:
+                out.write_text(f"refused: {exc}")
+            client.close()
+            code = 0
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert out.read_text().startswith("refused: ")
+    assert "fork" in out.read_text()
+    assert steps(client, 1) == [2], "the parent lost or repeated a batch"
+    client.close()
