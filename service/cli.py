@@ -1,7 +1,8 @@
-"""The ``ladle`` command line: ``plan``, ``serve``, ``demo``, ``jobs`` and ``make-dataset``.
+"""The ladle command line: plan, serve, demo, jobs, inspect and make-dataset.
 
 Every command takes the same schedule options, from flags or a TOML file
-(``--config``; flags win). Errors a user can cause print one line and exit 2.
+(``--config``; flags win). Errors a user can cause print one line and exit 2;
+output cut short by a closed pipe (``ladle plan DS | head``) ends quietly.
 """
 
 from __future__ import annotations
@@ -12,9 +13,9 @@ import os
 import sys
 import time
 from collections.abc import Sequence
-from typing import Any, get_args
+from typing import Any, Final, get_args
 
-from .errors import LadleError
+from .errors import ConfigError, LadleError
 from .limits import Limits
 from .report import BUCKET_HEADER, bucket_cells
 from .schedule import ScheduleConfig, build_schedule
@@ -35,6 +36,9 @@ __all__ = ["build_parser", "main"]
 # than typed on a command line that `ps` shows, and never printed unredacted.
 REDIS_URL_ENV = "LADLE_REDIS_URL"
 DEFAULT_STATE = ".ladle/state.db"
+# `ladle jobs --delete` refuses a job with a rank seen this recently: its trainers are
+# probably still streaming, and the server they stream from would re-create the job.
+LIVE_WINDOW_S = 300.0
 
 
 def _add_config_options(parser: argparse.ArgumentParser) -> None:
@@ -81,12 +85,22 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="serve a dataset's batches over gRPC to BatchClient trainers")
     serve.add_argument("dataset", help="a dataset folder written by save_to_disk")
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
-    serve.add_argument("--grpc-port", type=int, default=50051, help="0 picks a free port")
     serve.add_argument(
-        "--http-port", type=int, default=8080, help="the HTTP API, metrics and page (0 picks a free port)"
+        "--grpc-port",
+        type=int,
+        default=50051,
+        help="trainers connect here; 0 picks a free port (default: 50051)",
+    )
+    serve.add_argument(
+        "--http-port",
+        type=int,
+        default=8080,
+        help="the HTTP API, metrics and page; 0 picks a free port (default: 8080)",
     )
     serve.add_argument("--no-http", action="store_true", help="serve gRPC only (no HTTP port at all)")
-    serve.add_argument("--state", default=DEFAULT_STATE, help="the embedded cursor store file")
+    serve.add_argument(
+        "--state", default=DEFAULT_STATE, help=f"the embedded cursor store file (default: {DEFAULT_STATE})"
+    )
     _add_store_options(serve)
     serve.add_argument(
         "--job-ttl",
@@ -99,9 +113,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--ack-flush-ms",
         type=float,
         default=50.0,
-        help="write acknowledged positions to the store at most this often per stream (0: every ack)",
+        help="write acknowledged positions to the store at most this often per stream "
+        "(0: every ack; default: 50)",
     )
-    serve.add_argument("--grace", type=float, default=5.0, help="seconds open streams get at shutdown")
+    serve.add_argument(
+        "--grace", type=float, default=5.0, help="seconds open streams get at shutdown (default: 5)"
+    )
     serve.add_argument("--ready-file", help="write host:port here once serving (for scripts and tests)")
     serve.add_argument("--http-ready-file", help="write the HTTP host:port here (before --ready-file)")
     serve.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
@@ -123,11 +140,19 @@ def build_parser() -> argparse.ArgumentParser:
     jobs.add_argument(
         "--delete", nargs="+", metavar="NAME", help="delete these jobs (exit 1 if one is unknown)"
     )
+    jobs.add_argument(
+        "--force",
+        action="store_true",
+        help=f"with --delete: delete jobs with ranks seen in the last {LIVE_WINDOW_S:.0f} s too "
+        "(their trainers keep running, and a server they stream from re-creates the job)",
+    )
 
     inspect = sub.add_parser("inspect", help="print a running server's tables for one job (its HTTP API)")
     inspect.add_argument("--server", default=None, help="the server's HTTP address (default: 127.0.0.1:8080)")
     inspect.add_argument("--job", help="the job to show (default: the one updated last)")
-    inspect.add_argument("--epoch", type=int, help="default: the epoch of the job's slowest rank")
+    inspect.add_argument(
+        "--epoch", type=_non_negative, metavar="E", help="default: the epoch of the job's slowest rank"
+    )
     inspect.add_argument("--json", action="store_true", help="machine-readable output")
     inspect.add_argument(
         "--token-file", metavar="FILE", help="the server's token (default: $LADLE_TOKEN_FILE, $LADLE_TOKEN)"
@@ -142,7 +167,12 @@ def build_parser() -> argparse.ArgumentParser:
     source.add_argument("--rows", type=int, help="synthetic: this many rows of the production length mix")
     source.add_argument("--from-text", nargs="+", metavar="PATH", help="tokenize these files and folders")
     make.add_argument("--seed", type=int, default=0, help="synthetic rows")
-    make.add_argument("--scale", type=float, default=1.0, help="synthetic: multiply every length (1/32)")
+    make.add_argument(
+        "--scale",
+        type=float,
+        default=1.0,
+        help="synthetic: multiply every length, e.g. 0.03125 for rows 1/32 as long (default: 1.0)",
+    )
     make.add_argument("--vocab-size", type=int, help="default: 32000 synthetic, 4096 BPE")
     make.add_argument("--split", choices=get_args(Split), default="documents", help="text: rows per file")
     make.add_argument("--tokenizer", choices=get_args(TokenizerKind), default="bpe", help="text: bpe|bytes")
@@ -151,8 +181,35 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _non_negative(text: str) -> int:
+    """An argparse type: an integer >= 0 (a bad one is argparse's usage error, exit 2)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    try:
+        code = _run(args)
+        sys.stdout.flush()  # here, not at exit: a closed pipe must end in the handler below
+    except BrokenPipeError:
+        # The reader went away (`ladle plan DS | head`): stop quietly, as standard tools do.
+        # Python's recipe: point stdout at devnull so the flush at exit does not fail again.
+        try:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+        except (OSError, ValueError):
+            pass  # stdout is not a file (captured in tests)
+        return 1
+    return code
+
+
+def _run(args: argparse.Namespace) -> int:
     try:
         if args.command == "plan":
             return _plan(args)
@@ -387,10 +444,31 @@ def _add_store_options(parser: argparse.ArgumentParser | argparse._MutuallyExclu
 def _redis_url(args: argparse.Namespace) -> str | None:
     """``--redis-url``, else ``$LADLE_REDIS_URL`` unless ``--state`` was given; None: the embedded store."""
     if args.redis_url:
-        return str(args.redis_url)
+        return _check_redis_url(str(args.redis_url), "--redis-url")
     if getattr(args, "state", None) and args.command == "jobs":
         return None
-    return os.environ.get(REDIS_URL_ENV) or None
+    url = os.environ.get(REDIS_URL_ENV) or None
+    return _check_redis_url(url, f"${REDIS_URL_ENV}") if url else None
+
+
+REDIS_SCHEMES: Final = ("redis", "rediss", "unix")
+
+
+def _check_redis_url(url: str, where: str) -> str:
+    """``url`` if it names one of ``REDIS_SCHEMES``, else a ``ConfigError`` that says how to write it.
+
+    Without a scheme, ``host:port`` would parse as the scheme ``host``. The
+    value is echoed back only if it holds no ``@`` (so no password).
+    """
+    scheme, sep, _ = url.partition("://")
+    if sep and scheme.lower() in REDIS_SCHEMES:
+        return url
+    hint = f": did you mean redis://{url}?" if not sep and "@" not in url else ""
+    raise ConfigError(
+        "redis_url",
+        f"{where} needs a URL that starts with redis://, rediss:// (TLS) or unix://, "
+        f"e.g. redis://localhost:6379/0{hint}",
+    )
 
 
 def _jobs(args: argparse.Namespace) -> int:
@@ -403,6 +481,16 @@ def _jobs(args: argparse.Namespace) -> int:
         raise StoreUnavailableError(f"no cursor store at {state} (give --state FILE or --redis-url URL)")
     with open_store(redis_url=url, state_path=state, job_ttl_s=DEFAULT_JOB_TTL_S) as store:
         if args.delete:
+            if not args.force:
+                live = _live_jobs(store, args.delete, time.time())
+                for name, ago in live.items():
+                    print(
+                        f"ladle: error: job {name!r} has ranks seen {ago:.0f} s ago: stop its trainers "
+                        "first, or pass --force (a running server re-creates the job from its trainers)",
+                        file=sys.stderr,
+                    )
+                if live:
+                    return 2
             deleted = [name for name in args.delete if store.delete_job(name)]
             missing = [name for name in args.delete if name not in deleted]
             if args.json:
@@ -420,6 +508,22 @@ def _jobs(args: argparse.Namespace) -> int:
         else:
             print(format_jobs(jobs))
     return 0
+
+
+def _live_jobs(store: Any, names: Sequence[str], now: float) -> dict[str, float]:
+    """The named jobs with a rank seen within ``LIVE_WINDOW_S`` of ``now``: how many seconds ago."""
+    from .errors import JobNotFoundError
+
+    live = {}
+    for name in names:
+        try:
+            job = store.get(name)
+        except JobNotFoundError:
+            continue
+        ago = max(0.0, now - max([job.updated, *(r.last_seen for r in job.ranks)]))
+        if ago < LIVE_WINDOW_S:
+            live[name] = ago
+    return live
 
 
 def job_summary(job: Any) -> dict[str, Any]:

@@ -229,7 +229,8 @@ class JobMismatchError(StoreError):
         super().__init__(
             f"job {job!r} exists with another identity ({detail}); refusing to resume it on other "
             "data or another schedule config. Use a new job name, or start it over from the "
-            f"beginning: `ladle jobs --delete {job}` (or open_job(..., reset=True))"
+            f"beginning: `ladle jobs --delete {job} --state FILE` (or `--redis-url URL`: the server's "
+            "store; stop the job's trainers first), or open_job(..., reset=True)"
         )
 
     @property

@@ -11,9 +11,11 @@ for ``ladle serve``.
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import os
 import signal
+import socket
 import threading
 from collections.abc import Sequence
 from pathlib import Path
@@ -27,7 +29,7 @@ from ladle.proto import rpc
 
 from .assemble import Assembler
 from .dataset import open_dataset
-from .errors import ConfigError
+from .errors import ConfigError, StoreUnavailableError
 from .grpc_server import ACK_FLUSH_SECONDS, BatchServicer
 from .jobs import JobRegistry
 from .limits import Limits
@@ -111,10 +113,14 @@ class BatchServer:
             self.host, token=self.token is not None, tls=self.tls is not None, insecure=self.insecure
         )
         dataset = open_dataset(self.dataset_path)
-        self._store = TimedStore(
-            open_store(redis_url=self.redis_url, state_path=self.state_path, job_ttl_s=self.job_ttl_s),
-            self.metrics,
-        )
+        try:
+            store = open_store(redis_url=self.redis_url, state_path=self.state_path, job_ttl_s=self.job_ttl_s)
+        except OSError as exc:  # the state file's folder cannot be made: /proc/nope, read-only, a file
+            raise StoreUnavailableError(
+                f"cursor store {self.state_path}: cannot create its folder {self.state_path.parent}: "
+                f"{exc.strerror or exc}"
+            ) from None
+        self._store = TimedStore(store, self.metrics)
         registry = JobRegistry(dataset, self.config, self._store, spare=self.limits.spare_schedules)
         # Build epoch 0 now: a bad config fails at start-up, not on the first trainer.
         from .schedule import build_schedule
@@ -133,7 +139,11 @@ class BatchServer:
             target=self._loop.run_forever, name="ladle-grpc-loop", daemon=True
         )
         self._loop_thread.start()
-        asyncio.run_coroutine_threadsafe(self._start(), self._loop).result()
+        try:
+            asyncio.run_coroutine_threadsafe(self._start(), self._loop).result()
+        except BaseException:
+            self.stop(grace=0)  # the loop thread and the store must not outlive a failed start
+            raise
         if self.requested_http_port is not None:
             from .http import HttpServer, Inspector, create_app
 
@@ -151,7 +161,10 @@ class BatchServer:
 
     async def _start(self) -> None:
         assert self._servicer is not None
-        options = self.limits.grpc_options(self._servicer.max_frame_bytes)
+        # grpcio sets SO_REUSEPORT on its sockets by default, so a second server on a
+        # taken port would bind it silently and the kernel would spread trainers over
+        # both; without it the second server fails to start instead.
+        options = [*self.limits.grpc_options(self._servicer.max_frame_bytes), ("grpc.so_reuseport", 0)]
         interceptors = []
         if self.token is not None:
             metrics = self.metrics
@@ -167,12 +180,16 @@ class BatchServer:
         self._health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
         where = f"{self.host}:{self.requested_port}"
-        if self.tls is not None:
-            self.port = self._server.add_secure_port(where, self.tls.grpc_credentials())
-        else:
-            self.port = self._server.add_insecure_port(where)
+        _check_port_free(self.host, self.requested_port)
+        try:
+            if self.tls is not None:
+                self.port = self._server.add_secure_port(where, self.tls.grpc_credentials())
+            else:
+                self.port = self._server.add_insecure_port(where)
+        except RuntimeError:  # grpcio >= 1.5x: "Failed to bind to address ..."
+            self.port = 0
         if self.port == 0:
-            raise ConfigError("grpc_port", f"cannot listen on {self.host}:{self.requested_port}")
+            raise ConfigError("grpc_port", f"cannot listen on {where}")
         await self._server.start()
         await self._health.set("", health_pb2.HealthCheckResponse.SERVING)
         await self._health.set(rpc.SERVICE, health_pb2.HealthCheckResponse.SERVING)
@@ -216,6 +233,31 @@ class BatchServer:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.stop()
+
+
+def _check_port_free(host: str, port: int) -> None:
+    """Raise the ``ConfigError`` a taken or forbidden gRPC port gets, before grpcio tries it.
+
+    grpcio only says "Failed to bind" (and logs the reason to stderr), so the
+    reason is found the way the HTTP face finds it: by binding the address.
+    Other failures (an address this host lacks, say) are left to grpcio.
+    """
+    if port == 0:
+        return
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise ConfigError("host", f"cannot resolve {host!r}: {exc}") from None
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as grpcio does
+        try:
+            sock.bind(address)
+            sock.listen(1)
+        except OSError as exc:
+            if exc.errno in (errno.EADDRINUSE, errno.EACCES):
+                reason = (exc.strerror or str(exc)).lower()  # "address already in use"
+                raise ConfigError("grpc_port", f"cannot listen on {host}:{port}: {reason}") from None
 
 
 def serve_forever(

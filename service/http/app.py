@@ -14,12 +14,14 @@ from dataclasses import asdict
 from typing import Annotated, Any, Final, Literal
 
 from fastapi import Depends, FastAPI, Header, Path, Query, Request
+from fastapi.exception_handlers import request_validation_exception_handler
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import ladle
 
-from ..errors import LadleError
+from ..errors import ConfigError, LadleError
 from ..jobs import Job
 from ..metrics import CONTENT_TYPE, ServerMetrics
 from ..security import TokenCheck
@@ -163,6 +165,16 @@ def create_app(
     @app.exception_handler(LadleError)
     async def _ladle_error(request: Request, exc: LadleError) -> JSONResponse:
         return _error_response(exc, page=request.url.path == "/")
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError) -> Response:
+        if request.url.path != "/":
+            return await request_validation_exception_handler(request, exc)
+        # the page answers a person: its own error page, not FastAPI's JSON
+        first = exc.errors()[0] if exc.errors() else {}
+        loc = [str(part) for part in first.get("loc", ()) if part not in ("query", "path")]
+        error = ConfigError(".".join(loc) or "query", str(first.get("msg", "invalid request")))
+        return HTMLResponse(page.render_error(error), status_code=422)
 
     @app.exception_handler(Exception)
     async def _crash(request: Request, exc: Exception) -> JSONResponse:

@@ -292,6 +292,24 @@ def test_unknown_jobs_and_bad_names(module_server: ServerProcess, capsys: pytest
     assert after[("ladle_errors_total", (("code", "FAILED_PRECONDITION"), ("face", "grpc")))] >= 1
 
 
+def test_the_page_answers_a_bad_parameter_with_its_error_page(module_server: ServerProcess) -> None:
+    for query, field in (
+        ("world_size=100000", "world_size"),
+        ("start=-1", "start"),
+        ("job=bad%20name", "job"),
+    ):
+        with pytest.raises(urllib.error.HTTPError) as failed:
+            urllib.request.urlopen(f"{module_server.http_url}/?{query}", timeout=30)
+        assert failed.value.code == 422, query
+        assert failed.value.headers["content-type"].startswith("text/html"), f"?{query}: not the page's HTML"
+        body = failed.value.read().decode()
+        assert '<p id="error">' in body
+        assert f"{field}: " in body, f"?{query}: the error does not name the parameter: {body}"
+    status, body = get(module_server, "/v1/jobs/x/buckets?epoch=-1")
+    assert status == 422, "the API keeps FastAPI's JSON 422"
+    assert body["detail"][0]["loc"] == ["query", "epoch"]
+
+
 def test_inspect_without_a_server(capsys: pytest.CaptureFixture[str]) -> None:
     import socket
 

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from ladle.service.cli import main
+from tests.support.pipes import into_closed_pipe
 
 
 @pytest.fixture(scope="module")
@@ -102,3 +103,42 @@ def test_console_script_runs(sample: Path) -> None:
         timeout=120,
     )
     assert json.loads(out.stdout)["num_steps"] > 0
+
+
+def test_a_closed_pipe_ends_quietly(sample: Path) -> None:
+    # `ladle plan DS | head -3`: the reader goes away; no BrokenPipeError traceback
+    done = into_closed_pipe([str(Path(sys.executable).with_name("ladle")), "plan", str(sample), *SMALL])
+    assert done.stderr == "", f"a closed pipe printed: {done.stderr[-2000:]}"
+    assert done.returncode == 1
+
+
+def test_serve_with_an_impossible_state_path(sample: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["serve", str(sample), "--grpc-port", "0", "--no-http", "--state", "/proc/nope/state.db", *SMALL]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("ladle: error: cursor store /proc/nope/state.db: cannot create its folder"), err
+    assert err.count("\n") == 1, f"not one line: {err!r}"
+
+
+def test_inspect_epoch_is_checked_by_argparse(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(["inspect", "--server", "127.0.0.1:1", "--epoch", "-1"])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --epoch: must be >= 0, got -1" in err
+    assert "greater_than_equal" not in err, "pydantic's raw error list reached the user"
+
+
+def _help(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
+    with pytest.raises(SystemExit):
+        main([*argv, "--help"])
+    return " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+
+
+def test_help_names_every_command_and_the_defaults(capsys: pytest.CaptureFixture[str]) -> None:
+    top = _help(capsys)
+    assert "jobs, inspect and make-dataset" in top, "ladle --help leaves a command out"
+    serve = _help(capsys, "serve")
+    for default in ("(default: 50051)", "(default: 8080)", "(default: .ladle/state.db)", "(default: 5)"):
+        assert default in serve, f"ladle serve --help does not show {default}"
+    assert "(default: 1.0)" in _help(capsys, "make-dataset")

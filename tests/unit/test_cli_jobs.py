@@ -162,3 +162,47 @@ def test_serve_passes_the_store_options(monkeypatch: pytest.MonkeyPatch, tmp_pat
     assert cli.main(["serve", str(tmp_path), "--state", str(tmp_path / "s.db")]) == 0
     assert seen["redis_url"] is None
     assert seen["state"] == str(tmp_path / "s.db")
+
+
+def _with_the_real_clock(target: Target) -> CursorStore:
+    """Another handle on the target's store whose clock is now (the fixture's stands in 2023)."""
+    flag, where = target.flags
+    return EmbeddedStore(where) if flag == "--state" else RedisCursorStore(where)
+
+
+def test_delete_refuses_a_job_whose_trainers_run(target: Target, capsys: pytest.CaptureFixture[str]) -> None:
+    _fill(target.store)  # run-a and run-b, last seen in 2023
+    with _with_the_real_clock(target) as store:
+        store.open_job(JobSpec("live", "d", "c", 2))
+        store.join("live", 1, 2)  # a trainer of rank 1 opened its stream just now
+    assert cli.main(["jobs", *target.flags, "--delete", "run-b", "live"]) == 2
+    out = capsys.readouterr()
+    assert out.err.startswith("ladle: error: job 'live' has ranks seen 0 s ago: stop its trainers first"), (
+        out.err
+    )
+    assert "--force" in out.err
+    assert out.err.count("\n") == 1, f"not one line: {out.err!r}"
+    assert "deleted" not in out.out
+    assert [j.job for j in target.store.list_jobs()] == ["live", "run-a", "run-b"], "a refusal deleted a job"
+    # a job last seen long ago is deleted as before; --force deletes a live one
+    assert cli.main(["jobs", *target.flags, "--delete", "run-b"]) == 0
+    assert cli.main(["jobs", *target.flags, "--delete", "live", "--force"]) == 0
+    assert "deleted job 'live'" in capsys.readouterr().out
+    assert [j.job for j in target.store.list_jobs()] == ["run-a"]
+
+
+def test_a_redis_url_needs_its_scheme(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.delenv(cli.REDIS_URL_ENV, raising=False)
+    assert cli.main(["jobs", "--redis-url", "localhost:26391"]) == 2
+    err = capsys.readouterr().err
+    assert "redis_url: --redis-url needs a URL that starts with redis://" in err, err
+    assert "did you mean redis://localhost:26391?" in err
+    assert "localhost://" not in err, "the URL was echoed as if localhost were its scheme"
+    # a value that may hold a password is not echoed
+    monkeypatch.setenv(cli.REDIS_URL_ENV, ":s3cret@localhost:26391")
+    assert cli.main(["jobs"]) == 2
+    err = capsys.readouterr().err
+    assert "$LADLE_REDIS_URL needs a URL that starts with redis://" in err
+    assert "s3cret" not in err, "the password leaked into the output"
