@@ -506,6 +506,7 @@ class BatchClient:
         # the token travels only in the call metadata; never in a message, a log line or repr()
         self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
         self._credentials = _channel_credentials(tls, root_certificates, client_certificate, client_key)
+        _check_device(device, pin_memory)
         self._convert = _converter(device, pin_memory)
         self._channel: Any = None
         self._stub: rpc.BatchServiceClient | None = None
@@ -1009,6 +1010,26 @@ def _converter(device: Any, pin: bool | None) -> Callable[[codec.DecodedBatch], 
         return Batch._make(arrays)
 
     return to_batch
+
+
+def _check_device(device: Any, pin: bool | None) -> None:
+    """Refuse in the constructor a device or pinning that would fail on the first batch's reader thread."""
+    if device is None:
+        if pin:
+            raise ValueError("pin_memory=True needs a torch device (device='cuda:0', ...)")
+        return
+    try:
+        import torch
+    except ImportError:
+        raise ValueError(f"device={device!r} needs torch, which is not installed") from None
+    try:
+        target = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"device={device!r} is not a torch device: {exc}") from None
+    accelerated = target.type == "cuda" or bool(pin)
+    if accelerated and not torch.cuda.is_available():
+        what = f"device={device!r}" if target.type == "cuda" else "pin_memory=True"
+        raise ValueError(f"{what} needs CUDA, and torch sees no CUDA device here")
 
 
 def _to_torch(arrays: dict[str, Any], device: Any, pin: bool | None) -> dict[str, Any]:

@@ -144,6 +144,7 @@ def test_batches_pickle_and_compare_by_identity(module_server: Any) -> None:
         ({"server": "127.0.0.1:99999"}, "not host:port"),
         ({"server": "garbage::::"}, "not host:port"),
         ({"server": "127.0.0.1:abc"}, "not host:port"),
+        ({"pin_memory": True}, "needs a torch device"),
     ],
 )
 def test_bad_arguments_fail_in_the_constructor(kwargs: dict[str, Any], match: str) -> None:
@@ -278,3 +279,15 @@ def test_a_forked_child_gets_a_clear_error_and_takes_nothing(module_server: Any,
     assert "fork" in out.read_text()
     assert steps(client, 1) == [2], "the parent lost or repeated a batch"
     client.close()
+
+
+def test_a_device_torch_cannot_use_fails_in_the_constructor() -> None:
+    torch = pytest.importorskip("torch")
+    with pytest.raises(ValueError, match="not a torch device"):
+        BatchClient(0, 1, device="bogus")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="needs CUDA"):
+            BatchClient(0, 1, device="cuda:0")
+        with pytest.raises(ValueError, match="pin_memory=True needs CUDA"):
+            BatchClient(0, 1, device="cpu", pin_memory=True)
+    assert BatchClient(0, 1, device="cpu").timeout > 0
