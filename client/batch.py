@@ -31,7 +31,8 @@ class Batch:
     Batches compare and hash by identity (their arrays have no one truth
     value). A batch pickles (``multiprocessing``, ``torch.save``) with its
     arrays copied and ``attention_mask`` made; an unpickled batch's arrays
-    are its own, writable.
+    are its own (writable, except with pickle protocol 5, which keeps
+    numpy's read-only flag).
     """
 
     input_ids: Any

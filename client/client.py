@@ -20,7 +20,6 @@ import os
 import queue
 import re
 import socket
-import sys
 import threading
 import time
 import warnings
@@ -520,6 +519,7 @@ class BatchClient:
         self._generation: int | None = None
         self._incarnation = ""
         self._closed = False
+        self._replanned = False  # a loaded state awaits the server's re-planned position
         # once fenced, for good: a fenced process must stop, not take its rank back
         self._fence: FencedError | None = None
         # one thread iterates at a time (two would race each other into streams that fence one
@@ -546,7 +546,7 @@ class BatchClient:
         with self._busy:
             self._check_usable()
             self._consume_held()
-            if self._next is None:
+            if self._next is None or self._replanned:
                 self._receive(until_start=True)
             if self._stream is not None:
                 self._stream.flush()
@@ -605,6 +605,8 @@ class BatchClient:
         self._held = None
         self._fingerprint = fingerprint
         self._generation = None  # a restart from a checkpoint, not a reconnect
+        # a checkpoint of another world size: the server re-plans, so state_dict() asks it first
+        self._replanned = resized
 
     @property
     def position(self) -> tuple[int, int] | None:
@@ -694,6 +696,7 @@ class BatchClient:
                     return None
                 continue
             self._drop_stream()
+            self._check_open()
             if item is _END:
                 error: BaseException = ServerUnavailableError(
                     f"{self._address} ended the stream", "UNAVAILABLE"
@@ -711,6 +714,7 @@ class BatchClient:
                 backoff = _BACKOFF_FIRST  # another replica: no reason to wait long
             log.warning("rank %d: %s; reconnecting to %s in %.2fs", self.rank, error, self._address, backoff)
             time.sleep(backoff)
+            self._check_open()
             backoff = min(backoff * 2, _BACKOFF_MAX)
             self.reconnects += 1
 
@@ -731,6 +735,7 @@ class BatchClient:
             )
         self._fingerprint = start.schedule_fingerprint
         self._next = (start.epoch, start.step)
+        self._replanned = False
 
     @property
     def _address(self) -> str:
@@ -786,15 +791,15 @@ class BatchClient:
             left = deadline - time.monotonic()
             wait = left if tries <= 1 else min(left, max(1.0, left / tries))
             if self._credentials is not None:
-                self._channel = grpc.secure_channel(self._address, self._credentials, options=options)
+                channel = grpc.secure_channel(self._address, self._credentials, options=options)
             else:
-                self._channel = grpc.insecure_channel(self._address, options=options)
-            try:
-                grpc.channel_ready_future(self._channel).result(timeout=max(0.01, wait))
+                channel = grpc.insecure_channel(self._address, options=options)
+            self._channel = channel  # (close() from another thread closes it)
+            if self._ready(channel, time.monotonic() + max(0.01, wait)):
                 break
-            except grpc.FutureTimeoutError:
-                self._channel.close()
-                self._channel = None
+            channel.close()
+            self._channel = None
+            self._check_open()
             if time.monotonic() >= deadline or tries <= 1:
                 hint = (
                     " (TLS: check the CA, the server's name and TLS on both sides)"
@@ -809,12 +814,37 @@ class BatchClient:
             log.warning("rank %d: no answer from %s; trying the next replica", self.rank, self._address)
             self._server_index = (self._server_index + 1) % len(self.servers)
             tries = max(1, tries - 1)
-        self._stub = rpc.BatchServiceClient(self._channel, self._metadata)
+        self._stub = rpc.BatchServiceClient(channel, self._metadata)
         return self._stub
+
+    def _ready(self, channel: Any, until: float) -> bool:
+        """Wait for ``channel`` to connect until ``until``; False at the deadline or once closed.
+
+        Waited for in slices, so a ``close()`` from another thread ends the
+        wait at once (a closed channel's ready future never completes).
+        """
+        ready = grpc.channel_ready_future(channel)
+        try:
+            while not self._closed:
+                try:
+                    ready.result(timeout=max(0.0, min(0.25, until - time.monotonic())))
+                    return True
+                except grpc.FutureTimeoutError:
+                    if time.monotonic() >= until:
+                        return False
+            return False
+        finally:
+            ready.cancel()
+
+    def _check_open(self) -> None:
+        """Raise if ``close()`` (from another thread) closed the client while this one waited."""
+        if self._closed:
+            raise BatchClientError("the client was closed while waiting for a batch")
 
     def _ensure_stream(self, deadline: float) -> _ThreadedStream | _PolledStream:
         if self._stream is not None:
             return self._stream
+        self._check_open()
         stub = self._connect(deadline)
         request = pb.Open(
             job=self.job,
@@ -896,30 +926,52 @@ class BatchClient:
         self.close()
 
     def __del__(self) -> None:  # pragma: no cover - best effort
+        """Dropped without ``close()``: acknowledge what was consumed (not the held batch), then end.
+
+        The graceful end waits for the server, so it runs on a thread of its
+        own (it holds the stream, not this client) instead of in the garbage
+        collector's caller.
+        """
         try:
-            if not self._closed and self._stream is not None and self._pid == os.getpid():
-                self._stream.close()
+            stream = self._stream
+            if self._closed or stream is None or self._pid != os.getpid():
+                return
+            self._closed = True
+            stream.flush()
+            threading.Thread(
+                target=stream.close, kwargs={"join": 1.0}, name="ladle-client-end", daemon=True
+            ).start()
         except Exception:
             pass
 
 
-# Clients not closed when the interpreter exits are closed then, so what their trainers consumed is
-# acknowledged; after an uncaught exception, not the batch held when it struck.
+# Clients not closed when the interpreter exits are closed then, all at once, so what their trainers
+# consumed is acknowledged. The batch each holds is not: an exit without close() may come from a
+# failure on that batch (an uncaught exception, or sys.exit after a caught one), and the next
+# process must get it again.
 _LIVE: weakref.WeakSet[BatchClient] = weakref.WeakSet()
+
+
+def _end(client: BatchClient) -> None:
+    try:
+        client._held = None
+        client.close()
+    except Exception:  # pragma: no cover - best effort at exit
+        pass
 
 
 @atexit.register
 def _close_at_exit() -> None:
-    crashed = getattr(sys, "last_value", None) is not None
-    for client in list(_LIVE):
-        if client._closed or client._pid != os.getpid():
-            continue
-        try:
-            if crashed:
-                client._held = None
-            client.close()
-        except Exception:  # pragma: no cover - best effort at exit
-            pass
+    ending = [
+        threading.Thread(target=_end, args=(c,), daemon=True)
+        for c in list(_LIVE)
+        if not c._closed and c._pid == os.getpid()
+    ]
+    for thread in ending:
+        thread.start()
+    until = time.monotonic() + 2.0  # a server that hangs costs the exit at most this
+    for thread in ending:
+        thread.join(timeout=max(0.0, until - time.monotonic()))
 
 
 def _token_file() -> str:

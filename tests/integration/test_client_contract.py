@@ -224,11 +224,28 @@ def run_trainer(address: str, body: str, tmp_path: Path) -> subprocess.Completed
 def test_a_script_that_ends_without_close_acknowledges_what_it_consumed(
     server_factory: Server, tmp_path: Path
 ) -> None:
+    """At exit the consumed batches are acknowledged; the held one is given again, however it ended."""
     server = server_factory()
     clean = run_trainer(server.address, "it = iter(client)\nfor _ in range(5): next(it)\n", tmp_path)
     assert clean.returncode == 0, clean.stderr
     with BatchClient(0, 1, server.address, "exit") as c:
-        assert steps(c, 1) == [5], "a clean exit lost the acknowledgements of consumed batches"
+        assert steps(c, 1) == [4], "an exit without close() lost acknowledgements, or consumed the held batch"
+    # 4 consumed by the check above; then 5, 6, 7 consumed and 8 held when it fails
+    caught = run_trainer(
+        server.address,
+        """
+        try:
+            for batch in client:
+                if batch.step == 8:
+                    raise RuntimeError("diverged")
+        except RuntimeError:
+            sys.exit(1)
+        """,
+        tmp_path,
+    )
+    assert caught.returncode == 1, caught.stderr
+    with BatchClient(0, 1, server.address, "exit") as c:
+        assert steps(c, 1) == [8], "the batch the trainer failed on was not given again"
     crashed = run_trainer(
         server.address,
         "it = iter(client)\nfor _ in range(4): next(it)\nraise SystemError('crash')\n",
@@ -237,21 +254,90 @@ def test_a_script_that_ends_without_close_acknowledges_what_it_consumed(
     assert crashed.returncode != 0
     assert "crash" in crashed.stderr
     with BatchClient(0, 1, server.address, "exit") as c:
-        # 5 above, then the crashed trainer's 6, 7, 8 consumed and 9 held
-        assert steps(c, 1) == [9], "the batch held when the trainer crashed was not given again"
+        assert steps(c, 1) == [12], "the batch held when the trainer crashed was not given again"
+
+
+def test_exit_does_not_wait_long_for_a_server_that_hangs(server_factory: Server, tmp_path: Path) -> None:
+    server = server_factory()
+    body = f"""
+        import signal, time
+        clients = [BatchClient(0, 1, {server.address!r}, f"hang-{{i}}", timeout=30) for i in range(6)]
+        for c in clients:
+            next(iter(c))
+        os.kill({server.proc.pid}, signal.SIGSTOP)
+        print(f"ending at {{time.time()}}", file=sys.stderr, flush=True)
+        """
+    try:
+        done = run_trainer(server.address, body, tmp_path)
+        exited = time.time()
+    finally:
+        os.kill(server.proc.pid, signal.SIGCONT)
+    took = exited - float(done.stderr.rsplit("ending at ", 1)[1].split()[0])
+    assert took < 4.0, f"6 clients' exit took {took:.1f}s with the server stopped"
 
 
 def test_a_dropped_client_ends_its_threads(module_server: Any) -> None:
     before = threading.active_count()
     for i in range(3):
         client = BatchClient(0, 1, module_server.address, f"dropped-{i}")
-        steps(client, 2)
+        steps(client, 2)  # 0 consumed, 1 held
         del client
     gc.collect()
     deadline = time.monotonic() + 10
     while threading.active_count() > before and time.monotonic() < deadline:
         time.sleep(0.05)
     assert threading.active_count() <= before, [t.name for t in threading.enumerate()]
+    for i in range(3):
+        with BatchClient(0, 1, module_server.address, f"dropped-{i}") as again:
+            assert steps(again, 1) == [1], "a dropped client lost its acknowledgement, or its held batch"
+
+
+def test_close_from_another_thread_ends_a_reconnecting_next(server_factory: Server) -> None:
+    server = server_factory()
+    client = BatchClient(0, 1, server.address, "closed-while-waiting", timeout=30)
+    assert steps(client, 1) == [0]
+    ended: list[BaseException] = []
+
+    def train() -> None:
+        try:
+            for _ in client:
+                time.sleep(0.01)
+        except BaseException as exc:  # recorded for the assertion
+            ended.append(exc)
+
+    thread = threading.Thread(target=train)
+    thread.start()
+    time.sleep(0.2)
+    server.kill()
+    deadline = time.monotonic() + 20
+    while client.reconnects == 0 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert client.reconnects > 0, "the client did not start reconnecting"
+    began = time.monotonic()
+    client.close()
+    thread.join(timeout=10)
+    assert not thread.is_alive(), "next() still waits after close()"
+    assert time.monotonic() - began < 3.0
+    assert len(ended) == 1
+    assert isinstance(ended[0], BatchClientError), repr(ended[0])
+    assert "closed" in str(ended[0])
+
+
+def test_an_elastic_checkpoint_before_the_first_batch_is_the_replanned_one(server_factory: Server) -> None:
+    server = server_factory()
+    old = [BatchClient(r, 2, server.address, "elastic-early", timeout=30) for r in (0, 1)]
+    for client in old:
+        steps(client, 5)
+    saved = old[0].state_dict()
+    for client in old:
+        client.close()
+    with BatchClient(0, 1, server.address, "elastic-early", elastic=True, timeout=30) as resized:
+        resized.load_state_dict(saved)
+        state = resized.state_dict()
+        assert state["world_size"] == 1
+        assert state["schedule_fingerprint"] != saved["schedule_fingerprint"], "the old world's schedule"
+        first = next(iter(resized))
+        assert (first.epoch, first.step) == (state["epoch"], state["step"])
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="fork")
