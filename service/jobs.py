@@ -485,13 +485,17 @@ class JobRegistry:
             cut = (old.normalise(checkpoint[0], hot=True),) * old_size
         state = self.store.resize(name, old_size, new_size, cut)
         if state.plan and len(state.plan) > len(old.plan):
+            last = state.plan[-1].cut
+            cut_at = ", ".join(f"{p.epoch}:{p.step}" for p in sorted(set(last)))
             log.warning(
-                "job %s resized from %d to %d ranks; the rest of the epoch is re-planned from %s (%s)",
+                "job %s resized from %d to %d ranks: the rows not yet served at %s (%s, epoch:step) are "
+                "re-planned for the new world, which starts at epoch %d step 0 of the re-planned schedule",
                 name,
                 old_size,
                 new_size,
-                resize_start(state.plan[-1].cut),
+                cut_at,
                 "a checkpoint's position" if cut is not None else "the stored cursors",
+                resize_start(last).epoch,
             )
         return state
 
