@@ -484,9 +484,12 @@ def _jobs(args: argparse.Namespace) -> int:
             if not args.force:
                 live = _live_jobs(store, args.delete, time.time())
                 for name, ago in live.items():
+                    # The store cannot tell trainers that stopped cleanly from running ones: say both.
                     print(
-                        f"ladle: error: job {name!r} has ranks seen {ago:.0f} s ago: stop its trainers "
-                        "first, or pass --force (a running server re-creates the job from its trainers)",
+                        f"ladle: error: job {name!r} has ranks seen {ago:.0f} s ago: if its trainers are "
+                        f"still running, stop them first (a server they stream from re-creates the job); "
+                        f"a job can be deleted {LIVE_WINDOW_S / 60:.0f} minutes after its last rank was "
+                        "seen, or now with --force",
                         file=sys.stderr,
                     )
                 if live:

@@ -93,6 +93,15 @@ async def _abort(context: Any, exc: BaseException) -> None:
     await context.abort(code, message)
 
 
+def _why(failure: BaseException | None) -> str:
+    """Why a stream ended, for its log line."""
+    if failure is None:
+        return "ended by the trainer (closed, cancelled or gone)"
+    reason = getattr(failure, "reason", "")
+    kind = failure.kind if isinstance(failure, LadleError) else type(failure).__name__
+    return f"{kind}{'/' + reason if reason else ''}: {failure}"
+
+
 def _malformed(exc: DecodeError) -> StreamAbortedError:
     """A request whose bytes are not a ``ladle.v1.StreamRequest`` (grpc parses it before the servicer)."""
     return StreamAbortedError(
@@ -206,6 +215,14 @@ class _Session:
         if exc is not None:
             if not isinstance(exc, LadleError):
                 log.error("job %s rank %d: the cursor write failed", self.job.name, self.rank, exc_info=exc)
+            elif not isinstance(exc, StreamAbortedError):  # the store is away: the trainer reconnects
+                log.warning(
+                    "job %s rank %d: the cursor write failed (%s); the stream ends and its trainer "
+                    "reconnects from its own position",
+                    self.job.name,
+                    self.rank,
+                    exc,
+                )
             self.fail(exc)
             return
         self.stored = max(self.stored, done.result())
@@ -402,6 +419,15 @@ class BatchServicer:
             await session.drain()
             if self._active.get(key) is session:
                 del self._active[key]
+            log.info(
+                "stream end: job=%s rank=%d generation=%d sent=%s stored=%s: %s",
+                session.job.name,
+                session.rank,
+                session.generation,
+                session.sent,
+                session.stored,
+                _why(session.failure),
+            )
         if session.failure is not None:
             await self._abort(context, session.failure)
 
@@ -527,7 +553,11 @@ class BatchServicer:
         if o.resume.incarnation and o.resume.incarnation != job.incarnation:
             return f"the job is incarnation {job.incarnation}, the trainer knew {o.resume.incarnation}"
         if generation <= o.resume.generation:
-            return f"it issued generation {generation} after the trainer's {o.resume.generation}"
+            return (
+                f"the trainer reconnecting held generation {o.resume.generation}, and the store gave the "
+                f"new stream {generation}, not a newer one: it forgot the trainer's join (a Redis restarted "
+                "without its data)"
+            )
         return ""
 
     async def _read(self, requests: AsyncIterator[pb.StreamRequest], session: _Session) -> None:

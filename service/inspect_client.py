@@ -106,6 +106,10 @@ def fetch_report(
         return fetch(base, path, token=token, cafile=cafile, **params)
 
     listing = get("/v1/jobs")
+    while listing.get("next_after"):  # a store of many jobs comes a page at a time
+        page = get("/v1/jobs", after=listing["next_after"])
+        listing["jobs"] += page["jobs"]
+        listing["next_after"] = page["next_after"]
     doc: dict[str, Any] = {
         "server": base,
         "dataset": listing["dataset"],

@@ -57,6 +57,7 @@ __all__ = [
 # last HOT_SECONDS, and SPARE_SCHEDULES more; inspection builds one at a time, with
 # MAX_COLD_WAITING requests waiting up to COLD_WAIT_S for their turn.
 SPARE_SCHEDULES: Final = 4
+SWEEP_SECONDS: Final = 1.0  # a stream's use drops idle schedules at most this often
 HOT_SECONDS: Final = 60.0
 MAX_COLD_WAITING: Final = 2
 COLD_WAIT_S: Final = 20.0
@@ -185,9 +186,12 @@ class ScheduleCache:
         self._cold_building = False
         self._cold_waiting = 0
         self._changed = threading.Condition(threading.Lock())
+        self._swept = -math.inf  # when _evict last ran
 
     def __len__(self) -> int:
+        """Schedules kept (dropping those gone idle first: a scrape of the gauge sweeps too)."""
         with self._changed:
+            self._evict()
             return len(self._items)
 
     def has(self, key: tuple[str, int]) -> bool:
@@ -206,7 +210,9 @@ class ScheduleCache:
             return None
         self._items.move_to_end(key)
         if hot:
-            entry[1] = self._clock()
+            now = entry[1] = self._clock()
+            if now - self._swept >= SWEEP_SECONDS:  # schedules gone idle go without waiting for a build
+                self._evict()
         sched: Schedule = entry[0]
         return sched
 
@@ -268,7 +274,7 @@ class ScheduleCache:
         (``Job.warm``) for the streams that reach its boundary, maybe hours
         later, and dropping it would pause them while it is built again.
         """
-        now = self._clock()
+        now = self._swept = self._clock()
         hot = {key for key, (_, used) in self._items.items() if now - used <= self.hot_s}
         hot.update([(fingerprint, epoch + 1) for fingerprint, epoch in hot])
         idle = [key for key in self._items if key not in hot]

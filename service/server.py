@@ -4,15 +4,18 @@
 store and starts serving (the HTTP face too when ``http_port`` is given, on
 its own thread); leaving stops the HTTP face, stops accepting calls, asks open
 streams to end (UNAVAILABLE, so clients reconnect and resume), waits up to
-the grace period and closes the store. ``serve_forever`` adds SIGTERM/SIGINT handling
-for ``ladle serve``.
+the grace period and closes the store. ``serve_forever`` adds SIGTERM/SIGINT/SIGHUP
+handling for ``ladle serve``: the first signal shuts down gracefully, a second one
+cuts the grace short.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import logging
+import math
 import os
 import signal
 import socket
@@ -70,6 +73,9 @@ class BatchServer:
             raise ConfigError("grpc_port", f"must be in 0..65535, got {grpc_port}")
         if http_port is not None and not 0 <= http_port <= 65535:
             raise ConfigError("http_port", f"must be in 0..65535, got {http_port}")
+        # inf would overflow the shutdown's timeout and nan never compares: refuse both up front
+        if not (math.isfinite(grace) and grace >= 0):
+            raise ConfigError("grace", f"must be a finite number of seconds >= 0, got {grace}")
         self.dataset_path = str(dataset)
         self.config = config
         self.host = host
@@ -98,6 +104,8 @@ class BatchServer:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread: threading.Thread | None = None
         self._stopped = threading.Event()
+        self._hurry = False  # stop_now() was called: end open calls without waiting the grace
+        self._grpc_stopping = False  # the gRPC server's stop has begun (on the loop)
 
     @property
     def address(self) -> str:
@@ -200,7 +208,26 @@ class BatchServer:
         if self._servicer is not None:
             self._servicer.stop_streams()
         if self._server is not None:
-            await self._server.stop(grace)
+            self._grpc_stopping = True
+            await self._server.stop(0 if self._hurry else grace)
+
+    async def _stop_now(self) -> None:
+        # grpc.aio honours a second stop(): stop(0) cancels the calls a running stop(grace) waits for
+        if self._server is not None and self._grpc_stopping:
+            await self._server.stop(0)
+
+    def stop_now(self) -> None:
+        """Cut the grace period short: end every open call now (from any thread, a signal handler too).
+
+        Before ``stop`` it makes that stop use a grace of 0; during it, it cancels
+        the calls the stop is waiting for, so ``stop`` returns at once.
+        """
+        self._hurry = True
+        loop = self._loop
+        if loop is None or loop.is_closed() or not loop.is_running():
+            return
+        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: nothing left to cut short
+            asyncio.run_coroutine_threadsafe(self._stop_now(), loop)
 
     def stop(self, grace: float | None = None) -> None:
         """Stop accepting calls, end open streams with UNAVAILABLE within ``grace`` seconds."""
@@ -210,10 +237,8 @@ class BatchServer:
         if self._http is not None:
             self._http.stop()
         if self._loop is not None:
-            timeout = (self.grace if grace is None else grace) + 10
-            asyncio.run_coroutine_threadsafe(
-                self._stop(self.grace if grace is None else grace), self._loop
-            ).result(timeout)
+            grace = self.grace if grace is None else grace
+            asyncio.run_coroutine_threadsafe(self._stop(grace), self._loop).result(grace + 10)
             self._loop.call_soon_threadsafe(self._loop.stop)
             if self._loop_thread is not None:
                 self._loop_thread.join(timeout=10)
@@ -260,33 +285,60 @@ def _check_port_free(host: str, port: int) -> None:
                 raise ConfigError("grpc_port", f"cannot listen on {host}:{port}: {reason}") from None
 
 
+#: The signals that stop ``ladle serve``: the first gracefully, a second at once (no SIGHUP on Windows).
+STOP_SIGNALS = tuple(
+    getattr(signal, name) for name in ("SIGTERM", "SIGINT", "SIGHUP") if hasattr(signal, name)
+)
+
+
 def serve_forever(
     server: BatchServer, *, ready_file: str | None = None, http_ready_file: str | None = None
 ) -> int:
-    """Run until SIGTERM or SIGINT, then shut down gracefully; returns the exit code (0).
+    """Run until SIGTERM, SIGINT or SIGHUP, then shut down gracefully; returns the exit code (0).
+
+    The first signal stops accepting calls and gives open streams the grace
+    period; a second one during it ends them at once. SIGHUP is left ignored
+    when it already was (``nohup ladle serve``).
 
     Once both faces serve, ``http_ready_file`` gets the HTTP face's ``host:port``
     and then ``ready_file`` the gRPC face's, so a script that waits for
-    ``ready_file`` finds both.
+    ``ready_file`` finds both. Both are removed when the server shuts down
+    (each only if it still holds what this server wrote), so a restart script
+    never reads a port from a server that is gone.
     """
     done = threading.Event()
 
     def _on_signal(signum: int, frame: FrameType | None) -> None:
-        log.info("signal %d: shutting down (grace %.1fs)", signum, server.grace)
-        done.set()
+        if not done.is_set():
+            log.info("signal %d: shutting down (grace %.1fs)", signum, server.grace)
+            done.set()
+        else:
+            log.warning("signal %d: second signal: stopping now", signum)
+            server.stop_now()
 
-    previous = {s: signal.signal(s, _on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    previous: dict[int, Any] = {}
+    for s in STOP_SIGNALS:
+        if s not in (signal.SIGTERM, signal.SIGINT) and signal.getsignal(s) == signal.SIG_IGN:
+            continue  # SIGHUP under nohup: the user asked for the server to outlive its terminal
+        previous[s] = signal.signal(s, _on_signal)
+    written: list[tuple[str, str]] = []
     try:
         with server:
             print(f"ladle: serving on {server.address}", flush=True)
             if server.http_url is not None:
                 print(f"ladle: inspect at {server.http_url}/", flush=True)
                 if http_ready_file:
-                    _write_atomically(http_ready_file, f"{server.host}:{server.http_port}")
+                    written.append((http_ready_file, f"{server.host}:{server.http_port}"))
+                    _write_atomically(*written[-1])
             if ready_file:
-                _write_atomically(ready_file, server.address)
+                written.append((ready_file, server.address))
+                _write_atomically(*written[-1])
             done.wait()
+            # Shutting down: the ports go now. Removed while this server still holds them,
+            # a file cannot yet be a successor's on the same port.
+            _remove_ready_files(written)
     finally:
+        _remove_ready_files(written)
         for s, handler in previous.items():
             signal.signal(s, handler)
     return 0
@@ -297,3 +349,14 @@ def _write_atomically(path: str, text: str) -> None:
     tmp = Path(f"{path}.tmp-{os.getpid()}")
     tmp.write_text(text)
     tmp.replace(path)
+
+
+def _remove_ready_files(written: list[tuple[str, str]]) -> None:
+    """Remove each ready file that still holds what this server wrote (another may have replaced it)."""
+    while written:
+        path, text = written.pop()
+        try:
+            if Path(path).read_text() == text:
+                os.unlink(path)
+        except OSError:  # gone already, or unreadable: not ours to remove
+            pass

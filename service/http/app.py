@@ -55,6 +55,8 @@ HTTP_STATUS: Final = {
 }
 
 JOB_PATTERN: Final = rf"^[A-Za-z0-9._:-]{{1,{MAX_JOB_NAME_LEN}}}$"
+DEFAULT_JOBS_PAGE: Final = 1000
+MAX_JOBS_PAGE: Final = 10000
 
 JobName = Annotated[
     str, Path(pattern=JOB_PATTERN, description="the job's name, as its trainers gave it", examples=["run-42"])
@@ -217,14 +219,28 @@ def create_app(
         return JSONResponse(body.model_dump(), status_code=200 if body.ready else 503)
 
     @app.get("/v1/jobs", tags=["jobs"], dependencies=protected, responses=_errors(401, 503))
-    def list_jobs() -> JobList:
-        """Every job in the cursor store, with its stored positions (`served`: its schedule is shown here)."""
+    def list_jobs(
+        limit: Annotated[
+            int, Query(ge=1, le=MAX_JOBS_PAGE, description="jobs on this page")
+        ] = DEFAULT_JOBS_PAGE,
+        after: Annotated[
+            str | None, Query(pattern=JOB_PATTERN, description="the page after this job name (`next_after`)")
+        ] = None,
+    ) -> JobList:
+        """The jobs in the cursor store by name, a page at a time, with their stored positions.
+
+        `served`: the job runs on this server's dataset and config (its schedule is shown here).
+        """
         states = inspector.job_states()
+        rest = [s for s in states if after is None or s.job > after]
+        page = rest[:limit]
         return JobList.model_validate(
             {
                 "dataset": _dataset(inspector),
                 "config_fingerprint": inspector.config.fingerprint(),
-                "jobs": [_summary(inspector, s) for s in states],
+                "jobs": [_summary(inspector, s) for s in page],
+                "total": len(states),
+                "next_after": page[-1].job if len(rest) > limit else None,
             }
         )
 

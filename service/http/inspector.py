@@ -102,11 +102,46 @@ class Inspector:
         self.store = registry.store
         self._jobs = _Memo(8)  # previews, random baselines and jobs no stream has opened here
         self._figures = _Memo(32)
+        # one listing of the store's jobs at a time, shared by the requests that wait for it
+        self._listing = threading.Condition()
+        self._listing_busy = False
+        self._listing_round = 0
+        self._listed: list[JobState] | BaseException = []
 
     # --- jobs ---
 
     def job_states(self) -> list[JobState]:
-        return self.store.list_jobs()
+        """Every job in the store; requests that come while one lists them share its listing.
+
+        A store of thousands of jobs takes most of a second to list, holding
+        Python's lock that the trainers' streams need too: a dozen page and
+        ``/v1/jobs`` requests at once made a dozen listings, and the streams
+        slowed to a tenth. Now they make one (its error, if it fails, is
+        theirs too).
+        """
+        with self._listing:
+            if self._listing_busy:
+                waited_for = self._listing_round
+                while self._listing_round == waited_for:
+                    self._listing.wait()
+                listed = self._listed
+                if isinstance(listed, BaseException):
+                    raise listed
+                return listed
+            self._listing_busy = True
+        result: list[JobState] | BaseException = []
+        try:
+            result = self.store.list_jobs()
+            return result
+        except BaseException as exc:
+            result = exc
+            raise
+        finally:
+            with self._listing:
+                self._listed = result
+                self._listing_busy = False
+                self._listing_round += 1
+                self._listing.notify_all()
 
     def state(self, name: str) -> JobState:
         """The stored job (``JobNotFoundError`` if there is none)."""

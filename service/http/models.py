@@ -102,7 +102,9 @@ class JobSummary(BaseModel):
 class JobList(BaseModel):
     dataset: DatasetInfo
     config_fingerprint: str
-    jobs: list[JobSummary]
+    jobs: list[JobSummary] = Field(description="at most `limit` jobs, by name, after `after`")
+    total: int = Field(description="jobs in the store")
+    next_after: str | None = Field(description="pass as `after` for the next page; None on the last")
 
 
 class JobDetail(JobSummary):

@@ -22,6 +22,8 @@ from .inspector import DEFAULT_PAGE_STEPS, PREVIEW_WORLD_SIZE, Inspector
 
 __all__ = ["PREVIEW_WORLD_SIZE", "bucket_colour", "render", "render_error"]
 
+PAGE_JOBS: Final = 50  # job links in the page's header
+
 # viridis, short buckets dark to long buckets light: the order of lengths reads at a glance
 _VIRIDIS: Final = ((68, 1, 84), (65, 68, 135), (42, 120, 142), (34, 168, 132), (122, 209, 81), (253, 231, 37))
 _LABEL_W: Final = 70  # px left of the ribbon for row labels
@@ -194,7 +196,11 @@ def render(
         for b in range(k)
     )
     nav = []
-    for s in states:
+    # the jobs updated last (a store of a cluster's runs can hold thousands; /v1/jobs pages them all)
+    recent = sorted(states, key=lambda s: (s.updated, s.job), reverse=True)[:PAGE_JOBS]
+    if not preview and state is not None and state not in recent:
+        recent.append(state)
+    for s in sorted(recent, key=lambda s: s.job):
         label = escape(s.job)
         if not inspector.served(s):
             nav.append(f'<span class="other" title="another dataset or config">{label}</span>')
@@ -203,6 +209,8 @@ def render(
         else:
             nav.append(f'<a href="/?job={label}">{label}</a>')
     jobs_nav = " ".join(nav) if nav else "none yet"
+    if len(states) > len(recent):
+        jobs_nav += f' <span class="other">and {len(states) - len(recent)} more (/v1/jobs)</span>'
 
     def link(**params: Any) -> str:
         base: dict[str, Any] = {"world_size": shown.world_size} if preview else {"job": shown.name}

@@ -33,22 +33,44 @@ log = logging.getLogger("ladle.http")
 
 HTTP_MAX_CONNECTIONS: Final = 128  # people, a Prometheus scraper and `ladle inspect`: far fewer
 HTTP_IDLE_TIMEOUT_S: Final = 5
+HTTP_REQUEST_TIMEOUT_S: Final = 10
 _MAX_HEADER_BYTES: Final = 16 << 10
 
 
 class _H11(H11Protocol):
-    """uvicorn's h11 protocol, which also times out a connection that opens and says nothing.
+    """uvicorn's h11 protocol, which also times out a connection that opens and says nothing or too little.
 
     uvicorn starts its keep-alive timer only after a response, so a client
     that connects and never sends a request would hold its connection (and
-    one of the ``max_connections``) for ever.
+    one of the ``max_connections``) for ever; and any byte received stops
+    that timer, so one that sends a header line every few seconds would too.
+    So every request's line and headers must arrive within
+    ``HTTP_REQUEST_TIMEOUT_S`` of the connection (or of the last response).
     """
+
+    request_timeout_s: float = HTTP_REQUEST_TIMEOUT_S
 
     def connection_made(self, transport: Any) -> None:
         super().connection_made(transport)
         self.timeout_keep_alive_task = self.loop.call_later(
             self.timeout_keep_alive, self.timeout_keep_alive_handler
         )
+        self._request_deadline = self.loop.call_later(self.request_timeout_s, self._request_late)
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._request_deadline.cancel()
+        self._request_deadline = self.loop.call_later(self.request_timeout_s, self._request_late)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._request_deadline.cancel()
+        super().connection_lost(exc)
+
+    def _request_late(self) -> None:
+        """Close the connection unless a request is being answered (its headers all came)."""
+        answering = self.cycle is not None and not self.cycle.response_complete
+        if not answering and not self.transport.is_closing():
+            self.transport.close()
 
 
 def _bind(host: str, port: int) -> socket.socket:
@@ -105,6 +127,7 @@ class HttpServer:
         config = uvicorn.Config(
             self.app,
             log_level="warning",
+            log_config=None,  # no handlers of uvicorn's own: its lines reach ladle's log in its format
             access_log=False,
             lifespan="off",
             loop="asyncio",

@@ -13,6 +13,7 @@ import copy
 import gc
 import os
 import pickle
+import re
 import signal
 import subprocess
 import sys
@@ -377,3 +378,24 @@ def test_a_device_torch_cannot_use_fails_in_the_constructor() -> None:
         with pytest.raises(ValueError, match="pin_memory=True needs CUDA"):
             BatchClient(0, 1, device="cpu", pin_memory=True)
     assert BatchClient(0, 1, device="cpu").timeout > 0
+
+
+def test_the_server_logs_why_each_stream_ended(server_factory: Server) -> None:
+    server = server_factory()
+    with BatchClient(0, 1, server.address, "logged") as c:
+        steps(c, 2)
+    old = BatchClient(0, 1, server.address, "taken", prefetch=1, timeout=30)
+    steps(old, 1)
+    new = BatchClient(0, 1, server.address, "taken", timeout=30)
+    steps(new, 1)
+    new.close()
+    old.close()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        log = server.log_tail()
+        if "job=taken" in log and log.count("stream end:") >= 3:
+            break
+        time.sleep(0.1)
+    assert re.search(r"stream end: job=logged rank=0 .*ended by the trainer", log), log[-1500:]
+    fenced = r"stream end: job=taken rank=0 generation=1 .*failed_precondition/fenced"
+    assert re.search(fenced, log), log[-1500:]

@@ -329,6 +329,39 @@ def test_http_caps_connections_and_closes_silent_ones() -> None:
         http.stop()
 
 
+def test_http_closes_a_connection_that_trickles_its_headers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A slow-loris client (a header line every half second) must not hold a connection for ever."""
+    from ladle.service.http import server as http_server
+
+    monkeypatch.setattr(http_server._H11, "request_timeout_s", 1.5)
+    http = HttpServer(_hello, "127.0.0.1", 0, max_connections=3, idle_timeout_s=1).start()
+    try:
+        slow = socket.create_connection(("127.0.0.1", http.port), timeout=10)
+        slow.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n")
+        began = time.monotonic()
+        closed = False
+        while time.monotonic() - began < 8 and not closed:
+            time.sleep(0.5)
+            try:
+                slow.sendall(b"X-a: b\r\n")
+            except OSError:
+                closed = True
+                break
+            slow.settimeout(0.01)
+            try:
+                closed = slow.recv(4096) == b""
+            except TimeoutError:
+                pass
+            except OSError:
+                closed = True
+        assert closed, "a connection trickling header lines stayed open"
+        assert time.monotonic() - began < 4, "closed, but not within the request timeout"
+        slow.close()
+        assert _get(http.port) == 200, "a whole request on a fresh connection was not answered"
+    finally:
+        http.stop()
+
+
 # ------------------------------------------------------------------ options
 
 

@@ -120,6 +120,20 @@ def test_serve_with_an_impossible_state_path(sample: Path, capsys: pytest.Captur
     assert err.count("\n") == 1, f"not one line: {err!r}"
 
 
+@pytest.mark.parametrize(("grace", "shown"), [("inf", "inf"), ("nan", "nan"), ("-1", "-1.0")])
+def test_serve_refuses_a_grace_that_is_not_finite_seconds(
+    sample: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], grace: str, shown: str
+) -> None:
+    # inf and nan used to be accepted and crash the shutdown; -1 was taken silently
+    from ladle.service import server as server_module
+
+    monkeypatch.setattr(server_module, "serve_forever", lambda server, **files: 0)  # never serve here
+    argv = ["serve", str(sample), "--grpc-port", "0", "--no-http", "--grace", grace, *SMALL]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err == f"ladle: error: grace: must be a finite number of seconds >= 0, got {shown}\n", err
+
+
 def test_inspect_epoch_is_checked_by_argparse(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exited:
         main(["inspect", "--server", "127.0.0.1:1", "--epoch", "-1"])

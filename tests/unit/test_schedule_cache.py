@@ -229,3 +229,19 @@ def test_jobs_that_follow_one_schedule_share_it(tmp_path: Path, monkeypatch: pyt
     assert all(s is scheds[0] for s in scheds)
     assert other.schedule(0, hot=True) is not scheds[0]
     assert built == [2, 4], f"built for world sizes {built}"
+
+
+def test_idle_schedules_go_without_waiting_for_a_build() -> None:
+    """After a burst of jobs, a stream's next batch (or a scrape) drops what went idle; no build needed."""
+    clock, log = Clock(), list[Any]()
+    cache = ScheduleCache(spare=1, hot_s=60, clock=clock)
+    build = made(log)
+    for job in range(6):
+        cache.get((f"burst-{job}", 0), build((f"burst-{job}", 0)), hot=True)
+    cache.get(("streaming", 0), build(("streaming", 0)), hot=True)
+    assert len(cache) == 7
+    clock.now += 61
+    cache.cached(("streaming", 0), hot=True)  # a batch of the one job still streaming
+    assert len(cache) == 1 + 1, "idle schedules stayed until something was built"
+    clock.now += 120
+    assert len(cache) == 1, "with every stream idle, the spare one alone is kept"

@@ -1,0 +1,144 @@
+"""``serve_forever`` in process, with a stand-in server: its signals and its ready files.
+
+A thread sends the signals to this process once the ready file is there; the
+handlers run on the main thread, where ``serve_forever`` waits. A fallback
+handler turns a signal that ``serve_forever`` leaves alone into a test failure
+instead of the end of the test run.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from types import FrameType, TracebackType
+
+import pytest
+
+from ladle.service import server as server_module
+from ladle.service.errors import ConfigError
+from ladle.service.schedule import ScheduleConfig
+
+
+class UnhandledSignalError(Exception):
+    """A signal reached the test's fallback handler: ``serve_forever`` left it alone."""
+
+
+class FakeServer:
+    """What ``serve_forever`` uses of a ``BatchServer``; its stop waits the grace unless cut short."""
+
+    host = "127.0.0.1"
+    port = 4242
+    http_port = 8484
+    address = "127.0.0.1:4242"
+
+    def __init__(self, grace: float = 0.0, http: bool = True) -> None:
+        self.grace = grace
+        self.http_url = f"http://127.0.0.1:{self.http_port}" if http else None
+        self.cut_short = threading.Event()
+        self.stopped_after: float | None = None
+
+    def stop_now(self) -> None:
+        self.cut_short.set()
+
+    def __enter__(self) -> FakeServer:
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, value: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        began = time.monotonic()
+        self.cut_short.wait(self.grace)  # as BatchServer.stop waits for held streams
+        self.stopped_after = time.monotonic() - began
+
+
+@pytest.fixture
+def fallback() -> Iterator[None]:
+    """A signal ``serve_forever`` does not take over raises ``UnhandledSignalError``, not kill pytest."""
+
+    def _unhandled(signum: int, frame: FrameType | None) -> None:
+        raise UnhandledSignalError(f"signal {signum} was not handled by serve_forever")
+
+    signals = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+    previous = {s: signal.signal(s, _unhandled) for s in signals}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def signal_when_ready(
+    ready: Path, *signals: int, gap: float = 0.3, before: str | None = None
+) -> threading.Thread:
+    """Once ``ready`` exists (and, given ``before``, is overwritten with it), send ``signals`` here."""
+
+    def run() -> None:
+        deadline = time.monotonic() + 30
+        while not ready.exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        if before is not None:
+            ready.write_text(before)
+        for signum in signals:
+            os.kill(os.getpid(), signum)
+            time.sleep(gap)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+@pytest.mark.usefixtures("fallback")
+def test_sighup_stops_like_sigterm(tmp_path: Path) -> None:
+    ready = tmp_path / "ready"
+    thread = signal_when_ready(ready, signal.SIGHUP)
+    assert server_module.serve_forever(FakeServer(), ready_file=str(ready)) == 0  # type: ignore[arg-type]
+    thread.join(10)
+
+
+@pytest.mark.usefixtures("fallback")
+def test_a_second_signal_cuts_the_grace_short(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    ready = tmp_path / "ready"
+    server = FakeServer(grace=30.0)
+    thread = signal_when_ready(ready, signal.SIGTERM, signal.SIGINT)
+    began = time.monotonic()
+    with caplog.at_level(logging.INFO, logger="ladle.server"):
+        assert server_module.serve_forever(server, ready_file=str(ready)) == 0  # type: ignore[arg-type]
+    thread.join(10)
+    assert server.cut_short.is_set(), "the second signal did not cut the grace short"
+    assert time.monotonic() - began < 10, "the shutdown waited the grace after a second signal"
+    messages = [r.getMessage() for r in caplog.records if r.name == "ladle.server"]
+    assert messages == [
+        f"signal {int(signal.SIGTERM)}: shutting down (grace 30.0s)",
+        f"signal {int(signal.SIGINT)}: second signal: stopping now",
+    ], messages
+
+
+@pytest.mark.usefixtures("fallback")
+def test_the_ready_files_go_when_the_server_stops(tmp_path: Path) -> None:
+    ready, http_ready = tmp_path / "ready", tmp_path / "http"
+    thread = signal_when_ready(ready, signal.SIGTERM)
+    code = server_module.serve_forever(FakeServer(), ready_file=str(ready), http_ready_file=str(http_ready))  # type: ignore[arg-type]
+    assert code == 0
+    thread.join(10)
+    assert not ready.exists(), "the gRPC ready file outlived the server"
+    assert not http_ready.exists(), "the HTTP ready file outlived the server"
+
+
+@pytest.mark.usefixtures("fallback")
+def test_a_ready_file_another_server_rewrote_is_left(tmp_path: Path) -> None:
+    ready = tmp_path / "ready"
+    thread = signal_when_ready(ready, signal.SIGTERM, before="127.0.0.1:5555")  # a successor's
+    assert server_module.serve_forever(FakeServer(http=False), ready_file=str(ready)) == 0  # type: ignore[arg-type]
+    thread.join(10)
+    assert ready.read_text() == "127.0.0.1:5555", "removed a ready file this server did not write"
+
+
+@pytest.mark.parametrize("grace", [float("inf"), float("nan"), -1.0])
+def test_a_grace_that_is_not_a_finite_number_of_seconds(tmp_path: Path, grace: float) -> None:
+    with pytest.raises(ConfigError, match="grace: must be a finite number of seconds >= 0"):
+        server_module.BatchServer(tmp_path, ScheduleConfig(), grace=grace)
