@@ -54,6 +54,8 @@ _STATE_KEYS = ("version", "job", "rank", "world_size", "epoch", "step", "schedul
 _MAX_INDEX = 2**53 - 1
 _RECEIVE_LIMIT = 256 << 20  # far above any batch (a 49152-token batch frame is ~250 KiB)
 _BACKOFF_FIRST, _BACKOFF_MAX = 0.05, 2.0
+# grpcio's connectivity thread watches a channel 0.2 s at a time after its last subscriber left
+_WATCH_ENDS_S = 0.25
 _MAX_TIMEOUT = 30 * 86400.0  # "wait for ever" enough for a trainer; gRPC's deadlines overflow far above it
 # An acknowledgement reaches the server at most this long after the trainer
 # asked for the next batch (sooner when three quarters of the prefetch window wait).
@@ -794,11 +796,13 @@ class BatchClient:
                 channel = grpc.secure_channel(self._address, self._credentials, options=options)
             else:
                 channel = grpc.insecure_channel(self._address, options=options)
-            self._channel = channel  # (close() from another thread closes it)
+            # not self._channel until it is ready: a close() from another thread meanwhile
+            # leaves it to _ready, which stops watching it before it is closed (grpcio's
+            # connectivity thread raises on a channel closed under its watch)
             if self._ready(channel, time.monotonic() + max(0.01, wait)):
                 break
+            time.sleep(_WATCH_ENDS_S)  # grpcio's thread stops watching it (else it raises at close)
             channel.close()
-            self._channel = None
             self._check_open()
             if time.monotonic() >= deadline or tries <= 1:
                 hint = (
@@ -814,6 +818,10 @@ class BatchClient:
             log.warning("rank %d: no answer from %s; trying the next replica", self.rank, self._address)
             self._server_index = (self._server_index + 1) % len(self.servers)
             tries = max(1, tries - 1)
+        self._channel = channel
+        if self._closed:  # closed as it became ready (close() reads _channel after setting _closed)
+            self._drop_stream()
+            self._check_open()
         self._stub = rpc.BatchServiceClient(channel, self._metadata)
         return self._stub
 
