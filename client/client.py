@@ -103,9 +103,8 @@ def _integer(value: Any, name: str, least: int) -> int:
     return int(value)
 
 
-# A job name, as the cursor store accepts it (ladle.service.store.base; checked here so that a
-# bad one fails in the constructor, not at the first batch).
-_JOB_NAME = re.compile(r"[A-Za-z0-9._:-]{1,200}")
+# a bad job name fails in the constructor, not at the first batch
+_JOB_NAME = re.compile(codec.JOB_NAME_PATTERN)
 _DEFAULT_PORT = 50051
 
 
@@ -480,14 +479,14 @@ class BatchClient:
     ) -> None:
         self.world_size = _integer(_from_env(world_size, "WORLD_SIZE", 1, int), "world_size", 1)
         self.rank = _integer(_from_env(rank, "RANK", 0, int), "rank", 0)
-        self.server = str(_from_env(server, "LADLE_SERVER", "127.0.0.1:50051", str))
+        self.server = str(_from_env(server, "LADLE_SERVER", f"127.0.0.1:{_DEFAULT_PORT}", str))
         self.job = _from_env(job, "LADLE_JOB", "default", str)
         if self.rank >= self.world_size:
             raise ValueError(
                 f"rank {self.rank} is outside 0..{self.world_size - 1} (world_size={self.world_size})"
             )
         if not isinstance(self.job, str) or _JOB_NAME.fullmatch(self.job) is None:
-            raise ValueError(f"job must be 1..200 characters of A-Z a-z 0-9 . _ : -, got {self.job!r}")
+            raise ValueError(f"job must be {codec.JOB_NAME_RULE}, got {self.job!r}")
         self.prefetch = _integer(prefetch, "prefetch", 1)
         if (
             isinstance(timeout, bool)

@@ -39,7 +39,10 @@ _codec_c: Any = _compiled_codec()
 
 __all__ = [
     "ALIGN",
+    "JOB_NAME_PATTERN",
+    "JOB_NAME_RULE",
     "MAX_FINGERPRINT_BYTES",
+    "MAX_JOB_NAME_LEN",
     "PREFIX_BYTES",
     "WIRE_VERSION",
     "Decoded",
@@ -66,6 +69,10 @@ ALIGN: Final = 8
 """The payload starts at a multiple of this from the frame's first byte."""
 MAX_FINGERPRINT_BYTES: Final = 64
 """Longest schedule fingerprint (UTF-8 bytes) a frame may carry; bounds the header."""
+MAX_JOB_NAME_LEN: Final = 200
+JOB_NAME_PATTERN: Final = rf"[A-Za-z0-9._:-]{{1,{MAX_JOB_NAME_LEN}}}"
+"""What an ``Open.job`` may be (a key of the cursor store); the client checks it before sending."""
+JOB_NAME_RULE: Final = f"1..{MAX_JOB_NAME_LEN} characters of A-Z a-z 0-9 . _ : -"
 
 _U32: Final = 2**32 - 1
 _U64: Final = 2**64 - 1

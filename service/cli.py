@@ -15,7 +15,7 @@ import time
 from collections.abc import Sequence
 from typing import Any, Final, get_args
 
-from .errors import ConfigError, LadleError
+from .errors import ConfigError, JobNotFoundError, LadleError
 from .limits import Limits
 from .report import BUCKET_HEADER, bucket_cells
 from .schedule import ScheduleConfig, build_schedule
@@ -515,8 +515,6 @@ def _jobs(args: argparse.Namespace) -> int:
 
 def _live_jobs(store: Any, names: Sequence[str], now: float) -> dict[str, float]:
     """The named jobs with a rank seen within ``LIVE_WINDOW_S`` of ``now``: how many seconds ago."""
-    from .errors import JobNotFoundError
-
     live = {}
     for name in names:
         try:

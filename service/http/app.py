@@ -20,12 +20,13 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import ladle
+from ladle.proto.codec import JOB_NAME_PATTERN
 
 from ..errors import ConfigError, LadleError
 from ..jobs import Job
 from ..metrics import CONTENT_TYPE, ServerMetrics
 from ..security import TokenCheck
-from ..store.base import MAX_INDEX, MAX_JOB_NAME_LEN, JobState
+from ..store.base import MAX_INDEX, JobState
 from . import page
 from .inspector import DEFAULT_PAGE_STEPS, MAX_PAGE_STEPS, Inspector, Interleave
 from .models import (
@@ -54,7 +55,7 @@ HTTP_STATUS: Final = {
     "internal": 500,
 }
 
-JOB_PATTERN: Final = rf"^[A-Za-z0-9._:-]{{1,{MAX_JOB_NAME_LEN}}}$"
+JOB_PATTERN: Final = rf"^{JOB_NAME_PATTERN}$"
 DEFAULT_JOBS_PAGE: Final = 1000
 MAX_JOBS_PAGE: Final = 10000
 

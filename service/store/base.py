@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Self
 
+from ladle.proto.codec import JOB_NAME_PATTERN, JOB_NAME_RULE, MAX_JOB_NAME_LEN
+
 from ..errors import (
     ConfigError,
     CursorRegressionError,
@@ -53,14 +55,13 @@ __all__ = [
 
 Clock = Callable[[], float]
 
-MAX_JOB_NAME_LEN = 200
 MAX_FINGERPRINT_LEN = 256
 # The Redis store keeps integers in Lua numbers (doubles), exact up to 2**53.
 MAX_INDEX = 2**53 - 1
 # Every rank is a row (a hash field in Redis), written when a job is created.
 MAX_WORLD_SIZE = 65536
 
-_JOB_NAME = re.compile(rf"[A-Za-z0-9._:-]{{1,{MAX_JOB_NAME_LEN}}}")
+_JOB_NAME = re.compile(JOB_NAME_PATTERN)
 
 
 def _check_int(field: str, value: object, lo: int, hi: int = MAX_INDEX) -> int:
@@ -75,9 +76,7 @@ def _check_int(field: str, value: object, lo: int, hi: int = MAX_INDEX) -> int:
 def validate_job_name(job: object) -> str:
     """``job`` if it is 1..200 characters of ``[A-Za-z0-9._:-]``, else ``ConfigError("job")``."""
     if not isinstance(job, str) or _JOB_NAME.fullmatch(job) is None:
-        raise ConfigError(
-            "job", f"must be 1..{MAX_JOB_NAME_LEN} characters of A-Z a-z 0-9 . _ : -, got {job!r}"
-        )
+        raise ConfigError("job", f"must be {JOB_NAME_RULE}, got {job!r}")
     return job
 
 
