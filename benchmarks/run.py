@@ -15,6 +15,7 @@ import sys
 from benchmarks import (
     bench_assemble,
     bench_auth,
+    bench_client_lifetime,
     bench_dataset,
     bench_http,
     bench_roundtrips,
@@ -38,6 +39,7 @@ def main(argv: list[str]) -> int:
         "http": bench_http.main(full),
         "auth": bench_auth.main(full),
         "soak": bench_soak.main(full),
+        "client_lifetime": bench_client_lifetime.main(full),
     }
     if full:  # the transport comparison behind the frame layout (about 7 minutes)
         results["wire"] = bench_wire.main([])
@@ -78,6 +80,8 @@ def main(argv: list[str]) -> int:
     for line in bench_auth.summary(results["auth"]):
         print(line, file=sys.stderr)
     for line in bench_soak.summary(results["soak"]):
+        print(line, file=sys.stderr)
+    for line in bench_client_lifetime.summary(results["client_lifetime"]):
         print(line, file=sys.stderr)
     return 0
 

@@ -19,6 +19,7 @@ grpcio's iterator when it has not.
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from typing import Any
@@ -32,7 +33,15 @@ except ImportError:  # pragma: no cover - an unusual grpcio build
     _cygrpc = None
     _grpc_common = None
 
-__all__ = ["TESTED_GRPC", "DirectCall", "StatusError", "available", "grpc_is_tested"]
+__all__ = [
+    "TESTED_GRPC",
+    "DirectCall",
+    "StatusError",
+    "available",
+    "can_watch",
+    "grpc_is_tested",
+    "wait_ready",
+]
 
 _FLAGS = 0
 _NEEDED = (
@@ -70,6 +79,42 @@ def available(channel: Any) -> bool:
     if _cygrpc is None or _grpc_common is None or not all(hasattr(_cygrpc, n) for n in _NEEDED):
         return False
     return hasattr(getattr(channel, "_channel", None), "segregated_call")
+
+
+def can_watch(channel: Any) -> bool:
+    """True if :func:`wait_ready` can watch ``channel``'s connectivity on the caller's thread."""
+    inner = getattr(channel, "_channel", None)
+    return (
+        _cygrpc is not None
+        and hasattr(_cygrpc, "ConnectivityState")
+        and hasattr(inner, "check_connectivity_state")
+        and hasattr(inner, "watch_connectivity_state")
+    )
+
+
+def wait_ready(channel: Any, until: float, stop: Callable[[], bool], slice_s: float = 0.25) -> bool:
+    """Connect ``channel``, wait until it is READY; False at ``until`` (monotonic) or once ``stop()``.
+
+    ``grpc.channel_ready_future`` watches the channel on a thread of
+    grpcio's that renews a 0.2 s watch until it sees the unsubscription, and
+    ``channel.close()`` waits for that watch to end: 0-470 ms a close,
+    measured. Here the watch runs on the caller's thread, in slices of at
+    most ``slice_s`` (so ``stop`` is seen), and none is left once this
+    returns: a close right after costs nothing. The channel must not be
+    closed while this runs.
+    """
+    assert _cygrpc is not None
+    inner = channel._channel
+    ready = _cygrpc.ConnectivityState.ready
+    state = inner.check_connectivity_state(True)
+    while state != ready:
+        left = until - time.monotonic()
+        if left <= 0 or stop():
+            return False
+        # the GIL is released while it waits; it returns on a change or at its deadline
+        inner.watch_connectivity_state(state, time.time() + min(slice_s, left))
+        state = inner.check_connectivity_state(True)  # and asks again out of IDLE or a failure
+    return True
 
 
 class StatusError(grpc.RpcError):  # type: ignore[misc]  # grpc's stubs type it as Any

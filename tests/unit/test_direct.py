@@ -112,3 +112,62 @@ def test_on_sent_runs_when_a_message_has_gone(channel: grpc.Channel) -> None:
     assert sent, "on_sent never ran"
     assert not any(sent), "on_sent ran while the message was still marked in flight"
     call.close()
+
+
+@pytest.fixture
+def server_port() -> Iterator[int]:
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        yield port
+    finally:
+        server.stop(grace=None).wait(5)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_wait_ready_connects_and_leaves_no_watch_for_close(server_port: int) -> None:
+    """grpcio's ready future leaves a polling thread whose watch close() waits out (up to 0.2 s)."""
+    ch = grpc.insecure_channel(f"127.0.0.1:{server_port}")
+    try:
+        assert _direct.can_watch(ch)
+        assert _direct.wait_ready(ch, time.monotonic() + 10, lambda: False)
+        state = ch._connectivity_state  # grpcio's own bookkeeping
+        assert not state.polling, "a connectivity thread of grpcio's is watching the channel"
+        assert not state.callbacks_and_connectivities
+    finally:
+        ch.close()
+
+
+def test_wait_ready_gives_up_at_the_deadline_and_when_told_to_stop() -> None:
+    ch = grpc.insecure_channel(f"127.0.0.1:{_free_port()}")  # nothing listens there
+    try:
+        start = time.monotonic()
+        assert not _direct.wait_ready(ch, start + 0.6, lambda: False, slice_s=0.1)
+        assert 0.6 <= time.monotonic() - start < 5
+        stop = threading.Event()
+        threading.Timer(0.3, stop.set).start()
+        start = time.monotonic()
+        assert not _direct.wait_ready(ch, start + 30, stop.is_set, slice_s=0.1)
+        assert time.monotonic() - start < 5, "stop() was not seen"
+    finally:
+        ch.close()
+
+
+def test_wait_ready_connects_to_a_server_that_comes_late() -> None:
+    port = _free_port()
+    ch = grpc.insecure_channel(f"127.0.0.1:{port}")
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    try:
+        threading.Timer(0.5, lambda: (server.add_insecure_port(f"127.0.0.1:{port}"), server.start())).start()
+        assert _direct.wait_ready(ch, time.monotonic() + 30, lambda: False)
+    finally:
+        ch.close()
+        server.stop(grace=None).wait(5)
