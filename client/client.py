@@ -956,11 +956,22 @@ class BatchClient:
                 return
             self._closed = True
             stream.flush()
+            # the thread holds the channel too: freed with this client, grpcio's channel would
+            # cancel the call at once, before the acknowledgement just flushed has gone
             threading.Thread(
-                target=stream.close, kwargs={"join": 1.0}, name="ladle-client-end", daemon=True
+                target=_end_dropped, args=(stream, self._channel), name="ladle-client-end", daemon=True
             ).start()
         except Exception:
             pass
+
+
+def _end_dropped(stream: _ThreadedStream | _PolledStream, channel: Any) -> None:
+    """End a dropped client's stream gracefully, then its channel (on a thread of its own)."""
+    try:
+        stream.close(join=1.0)
+    finally:
+        if channel is not None:
+            channel.close()
 
 
 # Clients not closed when the interpreter exits are closed then, all at once, so what their trainers

@@ -35,8 +35,12 @@ DESCRIBE_METHOD: Final = f"/{SERVICE}/Describe"
 ERROR_TRAILER: Final = "ladle-error-bin"
 """Trailing metadata key of a failed call: a serialized ``ladle.v1.Error``."""
 
-StreamHandler = Callable[[Iterator[pb.StreamRequest], Any], Iterable[bytes]]
-"""``(requests, context) -> frames``: the server's Stream implementation."""
+StreamHandler = Callable[[Any, Any], Any]
+"""``(requests, context)``: the server's Stream implementation, in any shape grpc serves.
+
+A generator of frames on grpc's synchronous server; on grpc.aio, ladle's
+server is a coroutine that writes each frame with ``context.write``.
+"""
 DescribeHandler = Callable[[pb.DescribeRequest, Any], pb.JobInfo]
 """``(request, context) -> JobInfo``: the server's Describe implementation."""
 

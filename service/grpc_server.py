@@ -20,10 +20,11 @@ Errors map once, from ``LadleError.kind`` to a gRPC status, with a
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from concurrent.futures import Executor, ThreadPoolExecutor
 from typing import Any
 
@@ -100,6 +101,12 @@ def _why(failure: BaseException | None) -> str:
     reason = getattr(failure, "reason", "")
     kind = failure.kind if isinstance(failure, LadleError) else type(failure).__name__
     return f"{kind}{'/' + reason if reason else ''}: {failure}"
+
+
+def _gone(exc: BaseException) -> str:
+    """What a failed write raised, in a few words (grpc's ExecuteBatchError names only its operation)."""
+    name = type(exc).__name__
+    return "the trainer went away" if name == "ExecuteBatchError" else f"{name}: {exc}"
 
 
 def _malformed(exc: DecodeError) -> StreamAbortedError:
@@ -367,7 +374,18 @@ class BatchServicer:
 
     # --- Stream ---
 
-    async def stream(self, requests: AsyncIterator[pb.StreamRequest], context: Any) -> AsyncIterator[bytes]:
+    async def stream(self, requests: AsyncIterator[pb.StreamRequest], context: Any) -> None:
+        """One trainer's stream: a coroutine that writes each frame itself (``context.write``).
+
+        Not an async generator: grpc.aio drives a generator from its own
+        loop, and when the trainer goes away during a write, the failed write
+        or the cancellation lands in grpc's loop, not here, and leaves the
+        generator suspended at its ``yield``. Its clean-up (the session slot,
+        the last cursor write, the log line) then waited for the garbage
+        collector, which a reference cycle could put off for minutes, and
+        grpc logged the failed write as an ERROR with a traceback. Written
+        here, both reach this coroutine's ``finally``.
+        """
         try:
             try:
                 first = await requests.__anext__()
@@ -400,8 +418,9 @@ class BatchServicer:
         self._active[key] = session
         reader = asyncio.create_task(self._read(requests, session))
         meter = self.metrics.stream(session.job.name, session.rank)
+        gone: BaseException | None = None  # the call ended under a write: no status can follow
         try:
-            yield codec.encode_stream_start(
+            start = codec.encode_stream_start(
                 generation=session.generation,
                 incarnation=session.job.incarnation,
                 epoch=session.sent.epoch,
@@ -409,10 +428,16 @@ class BatchServicer:
                 schedule_fingerprint=session.job.fingerprint,
                 world_size=session.job.world_size,
             )
-            async for frame in self._send(session, meter):
-                yield frame
+            await context.write(start)
+            async with contextlib.aclosing(self._send(session, meter)) as frames:
+                async for frame in frames:
+                    await context.write(frame)
         except LadleError as exc:
             session.fail(exc)
+        except asyncio.CancelledError:
+            raise  # grpc cancels the handler when the trainer cancels or goes away
+        except Exception as exc:  # the write failed: the call is over (the trainer went away)
+            gone = exc
         finally:
             reader.cancel()
             self.metrics.ended(meter)
@@ -426,8 +451,12 @@ class BatchServicer:
                 session.generation,
                 session.sent,
                 session.stored,
-                _why(session.failure),
+                _why(session.failure) if gone is None else f"the call ended during a send ({_gone(gone)})",
             )
+        if gone is not None:
+            # grpc would try to send a status on the dead call and log that as an ERROR; a
+            # cancelled handler is grpc's own quiet ending
+            raise asyncio.CancelledError(f"the call ended during a send: {_gone(gone)}")
         if session.failure is not None:
             await self._abort(context, session.failure)
 
@@ -604,7 +633,7 @@ class BatchServicer:
             session.requests_done = True
             session.wake.set()
 
-    async def _send(self, session: _Session, meter: StreamMeter) -> AsyncIterator[bytes]:
+    async def _send(self, session: _Session, meter: StreamMeter) -> AsyncGenerator[bytes, None]:
         job = session.job
         position = session.sent
         while True:
@@ -637,7 +666,7 @@ class BatchServicer:
             nxt = ref.next
             session.sent = nxt
             handed = time.perf_counter()
-            yield frame
+            yield frame  # stream() writes it
             meter.send.observe(time.perf_counter() - handed)
             if nxt.epoch != position.epoch:
                 yield codec.encode_epoch_end(position.epoch, ref.steps_in_epoch)
