@@ -99,6 +99,27 @@ class _Storage:
         return rows <= self.row_capacity and tokens <= self.token_capacity
 
 
+_INT32 = (-(2**31), 2**31 - 1, "int32 (the wire's token ids)")
+_INT8 = (-(2**7), 2**7 - 1, "int8 (the wire's loss mask)")
+
+
+def _check_fits(
+    where: str, column: str, row: int, values: npt.NDArray[Any], bounds: tuple[int, int, str]
+) -> None:
+    """Refuse a row whose values would wrap when cast to the wire's type (``DatasetError``)."""
+    if not values.size:
+        return
+    low, high, what = bounds
+    least, most = int(values.min()), int(values.max())
+    if least < low or most > high:
+        bad = least if least < low else most
+        raise DatasetError(
+            f"dataset {where}: row {row} of {column!r} holds {bad}, outside {what} "
+            f"[{low}, {high}]; ladle would send it wrapped (re-tokenize, or cast the column after "
+            "checking its range)"
+        )
+
+
 def _byte_view(array: npt.NDArray[Any]) -> memoryview:
     """The bytes of a 1-D contiguous array, without a copy."""
     return array.data.cast("B")
@@ -290,11 +311,14 @@ class Assembler:
     ``assemble`` is thread-safe.
 
     Tokens are expected to be int32 already (the fast path, a plain copy);
-    other integer widths are converted by the same per-row copy, and values
-    outside int32 wrap as in numpy's casting assignment (no vocabulary check:
-    that would read every token). ``loss_mask`` is emitted as int8: int8 and
-    uint8 columns (0/1 masks, e.g. booleans stored as uint8) are copied byte
-    for byte, other integer widths are cast the same way as tokens. Boolean
+    other integer widths are converted by the same per-row copy, and a
+    column whose type can hold values outside int32 (int64, uint32, uint64:
+    what ``datasets`` stores Python ints as) has each row it copies checked,
+    so a token id that does not fit is a ``DatasetError`` naming the row, not
+    a wrapped id (only the rows served are read: no start-up scan).
+    ``loss_mask`` is emitted as int8: int8 and uint8 columns (0/1 masks, e.g.
+    booleans stored as uint8) are copied byte for byte, other integer widths
+    are cast the same way as tokens and checked the same way against int8. Boolean
     Arrow columns (bit-packed, no zero-copy view) are refused with
     ``DatasetError``, as ``open_dataset`` refuses them.
     """
@@ -315,6 +339,9 @@ class Assembler:
         # uint8 0/1 masks are int8 0/1 masks: reinterpret the bytes instead of casting per batch
         self._mask = [m.view(np.int8) if m.dtype == np.uint8 else m for m in mask]
         self._same_chunks = np.array_equal(self._ids_first_rows, self._mask_first_rows)
+        # chunks whose dtype holds values the wire's int32 ids / int8 masks cannot: rows checked
+        self._ids_wide = [not np.can_cast(v.dtype, np.int32) for v in self._ids]
+        self._mask_wide = [not np.can_cast(m.dtype, np.int8) for m in self._mask]
         self._byte_copy = all(v.dtype == np.int32 for v in self._ids) and all(
             m.dtype == np.int8 for m in self._mask
         )
@@ -404,11 +431,12 @@ class Assembler:
                     ids.append(pad_ids[: 4 * (width - n)])
                     mask.append(pad_mask[: width - n])
         else:
-            for c, cm, p, q, n in plan:
+            for row, (c, cm, p, q, n) in zip(row_ids.tolist(), plan, strict=True):
+                tokens, row_mask_src = self._row_values(row, c, cm, p, q, n)
                 row_tokens = np.full(width, pad, dtype="<i4")
-                row_tokens[:n] = self._ids[c][p : p + n]
+                row_tokens[:n] = tokens
                 row_mask = np.zeros(width, dtype="<i1")
-                row_mask[:n] = self._mask[cm][q : q + n]
+                row_mask[:n] = row_mask_src
                 ids.append(_byte_view(row_tokens))
                 mask.append(_byte_view(row_mask))
         return BatchPieces(ids, mask, cut.astype(np.int32), row_ids)
@@ -547,7 +575,7 @@ class Assembler:
         if self._byte_copy:
             self._copy_bytes(storage, plan, width, pad)
         else:
-            self._copy_cast(storage, plan, width, pad)
+            self._copy_cast(storage, rows, plan, width, pad)
 
     def _plan(self, rows: I64, width: int) -> tuple[I64, _Plan]:
         """Each row's length cut to ``width``, and where each row's tokens and mask start."""
@@ -593,20 +621,28 @@ class Assembler:
                 mask_out[end : begin + width] = pad_mask[:tail]
             begin += width
 
-    def _copy_cast(self, storage: _Storage, plan: _Plan, width: int, pad: int) -> None:
+    def _copy_cast(self, storage: _Storage, rows: I64, plan: _Plan, width: int, pad: int) -> None:
         """Other integer widths: numpy slice assignment, which converts while it copies."""
-        ids_src, mask_src = self._ids, self._mask
         ids, mask = storage.ids, storage.mask
         begin = 0
-        for c, cm, p, q, n in plan:
+        for row, (c, cm, p, q, n) in zip(rows.tolist(), plan, strict=True):
             end = begin + n
-            ids[begin:end] = ids_src[c][p : p + n]
-            mask[begin:end] = mask_src[cm][q : q + n]
+            ids[begin:end], mask[begin:end] = self._row_values(row, c, cm, p, q, n)
             if n < width:
                 stop = begin + width
                 ids[end:stop] = pad
                 mask[end:stop] = 0
             begin += width
+
+    def _row_values(self, row: int, c: int, cm: int, p: int, q: int, n: int) -> tuple[Any, Any]:
+        """A row's tokens and mask as stored, checked to fit int32 / int8 when their dtype is wider."""
+        tokens = self._ids[c][p : p + n]
+        row_mask = self._mask[cm][q : q + n]
+        if self._ids_wide[c]:
+            _check_fits(self.dataset.path, TOKENS, row, tokens, _INT32)
+        if self._mask_wide[cm]:
+            _check_fits(self.dataset.path, LOSS_MASK, row, row_mask, _INT8)
+        return tokens, row_mask
 
     def _pads(self, pad: int, width: int) -> tuple[memoryview, memoryview]:
         """Byte views of at least ``width`` pad tokens and ``width`` zero mask bytes."""

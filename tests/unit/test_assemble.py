@@ -318,6 +318,42 @@ def test_other_integer_widths_are_converted(tmp_path: Path, token_type: str, mas
     assert_pieces_match(asm, ds, picks, 40, pad_id=3)
 
 
+@pytest.mark.parametrize(
+    ("token_type", "mask_type", "bad_token", "bad_mask", "column"),
+    [
+        ("int64", "int8", 2**31, 1, "input_ids"),
+        ("int64", "int8", -(2**31) - 1, 1, "input_ids"),
+        ("uint32", "int8", 3_000_000_000, 1, "input_ids"),
+        ("uint64", "int8", 2**40, 1, "input_ids"),
+        ("int32", "int64", 7, 256, "loss_mask"),
+        ("int32", "int16", 7, -129, "loss_mask"),
+    ],
+)
+def test_values_that_do_not_fit_the_wire_are_refused_not_wrapped(
+    tmp_path: Path, token_type: str, mask_type: str, bad_token: int, bad_mask: int, column: str
+) -> None:
+    """A token id of 2**31 used to reach the trainer as -2**31 (and a mask of 256 as 0)."""
+    rows = [[1, 2, 3], [4, bad_token, 6], [7, 8]]
+    masks = [[1, 1, 1], [1, bad_mask, 1], [0, 1]]
+    features = datasets.Features(
+        {
+            "input_ids": datasets.Sequence(datasets.Value(token_type)),
+            "loss_mask": datasets.Sequence(datasets.Value(mask_type)),
+        }
+    )
+    ds = save(tmp_path / "ds", {"input_ids": rows, "loss_mask": masks}, features)
+    asm = Assembler(ds)
+    fine = np.array([0, 2])
+    assert_matches(asm.assemble(fine, 4), ds, fine, 4)  # the other rows still serve
+    for make in (
+        lambda: asm.assemble(np.array([0, 1]), 4),
+        lambda: asm.pieces(np.array([1]), 4),
+        lambda: asm.frame(np.array([2, 1]), 4, epoch=0, step=0, rank=0, bucket=0, schedule_fingerprint="f"),
+    ):
+        with pytest.raises(DatasetError, match=rf"row 1 of '{column}' holds -?\d+, outside int"):
+            make()
+
+
 def test_inferred_types_match(tmp_path: Path) -> None:
     rng = np.random.default_rng(6)
     rows = random_rows(rng, 50)
