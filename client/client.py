@@ -316,11 +316,14 @@ class _PolledStream(_Stream):
     that polls for it, so ``next()`` paid for it (median 20 -> 198 us with
     a full window).
 
-    gRPC takes the next message up only after the last one's completion has
-    been polled, so an acknowledgement that finds one in flight waits for
-    the reader thread to see it go (``_sent``), and a watchdog thread
-    (asleep unless an acknowledgement is held back) sends one held back once
-    ``ACK_DELAY`` has passed.
+    Acknowledgements are sent by a watchdog thread (asleep unless one is
+    pending), never by the trainer's thread: Python handles signals on the
+    main thread, and a Ctrl-C that struck inside grpcio's send left a lock of
+    grpcio's held, so the emergency checkpoint in the handler hung. The
+    watchdog sends a group when it is full or flushed, and one held back once
+    ``ACK_DELAY`` has passed; gRPC takes the next message up only after the
+    last one's completion has been polled, so one that finds a message in
+    flight is sent by the reader thread when it sees that one go (``_sent``).
     """
 
     def __init__(
@@ -381,14 +384,17 @@ class _PolledStream(_Stream):
                     self._watch_held = True
                     self._cond.notify()
                 return
-            self._send_locked()  # (or _sent sends it when the message in flight has gone)
+            # due: the watchdog sends it, not this thread. Signals are handled on the trainer's
+            # thread, and a KeyboardInterrupt inside grpcio's send left grpcio's lock held: the
+            # emergency checkpoint after a Ctrl-C then hung (2 of 14 tries in an audit)
+            self._cond.notify()
 
     def flush(self) -> None:
-        """Send the pending acknowledgement now, or as soon as the message in flight has gone."""
+        """Have the pending acknowledgement sent now (by the watchdog), or once the message in flight went."""
         with self._cond:
             if self._through is not None:
-                self._last_sent = 0.0  # due: _sent sends it if it cannot go now
-                self._send_locked()
+                self._last_sent = 0.0  # due: the watchdog sends it, or _sent when it cannot go now
+                self._cond.notify()
 
     def close(self, join: float = 0.0) -> None:
         """End the stream; with ``join``, first let the server take the last acknowledgement.
@@ -420,17 +426,16 @@ class _PolledStream(_Stream):
     # --- the watchdog ---
 
     def _watch(self) -> None:
+        """Send every due acknowledgement (a full group, a flush, or one held ``ACK_DELAY``)."""
         with self._cond:
             while not self._closed:
                 wait = None
                 if self._through is not None:
-                    due = self._last_sent + ACK_DELAY
-                    now = time.monotonic()
-                    if now < due:
-                        wait = due - now
-                    else:  # due: it goes now, or _sent sends it when the message in flight has gone
+                    if self._due():  # it goes now, or _sent sends it when the message in flight has gone
                         self._send_locked()
                         self._watch_held = False
+                    else:
+                        wait = max(0.0, self._last_sent + ACK_DELAY - time.monotonic())
                 else:
                     self._watch_held = False
                 self._cond.wait(wait)
@@ -481,6 +486,8 @@ class BatchClient:
         self.rank = _integer(_from_env(rank, "RANK", 0, int), "rank", 0)
         self.server = str(_from_env(server, "LADLE_SERVER", f"127.0.0.1:{_DEFAULT_PORT}", str))
         self.job = _from_env(job, "LADLE_JOB", "default", str)
+        if job is None and not os.environ.get("LADLE_JOB", "").strip():
+            _warn_default_job()
         if self.rank >= self.world_size:
             raise ValueError(
                 f"rank {self.rank} is outside 0..{self.world_size - 1} (world_size={self.world_size})"
@@ -521,6 +528,7 @@ class BatchClient:
         self._incarnation = ""
         self._closed = False
         self._replanned = False  # a loaded state awaits the server's re-planned position
+        self._loaded_epoch: int | None = None  # the epoch of a state just loaded (until the next batch)
         # once fenced, for good: a fenced process must stop, not take its rank back
         self._fence: FencedError | None = None
         # one thread iterates at a time (two would race each other into streams that fence one
@@ -608,6 +616,7 @@ class BatchClient:
         self._generation = None  # a restart from a checkpoint, not a reconnect
         # a checkpoint of another world size: the server re-plans, so state_dict() asks it first
         self._replanned = resized
+        self._loaded_epoch = None if resized else int(state["epoch"])
 
     @property
     def position(self) -> tuple[int, int] | None:
@@ -639,6 +648,9 @@ class BatchClient:
             with self._busy:
                 self._check_usable()
                 self._consume_held()
+                loaded, self._loaded_epoch = self._loaded_epoch, None
+                if first and loaded is not None and self._rest_is_empty(loaded):
+                    return None
                 item = self._receive()
                 if isinstance(item, codec.DecodedEpochEnd):
                     # the last iteration stopped (break) right after the epoch's last batch, and
@@ -657,6 +669,18 @@ class BatchClient:
                 return batch
         finally:
             self._iterating.release()
+
+    def _rest_is_empty(self, loaded: int) -> bool:
+        """A state of epoch ``loaded`` was taken on its last batch: this iteration is its empty rest.
+
+        The server starts such a state at the next epoch. A loop that resumes
+        ``for epoch in range(saved_epoch, N): for batch in client:`` then
+        finishes the saved epoch first (nothing is left of it) and trains N
+        epochs in all, as it does from any other checkpoint.
+        """
+        if self._stream is None:
+            self._receive(until_start=True)  # where the server starts this rank
+        return self._next is not None and self._next[0] > loaded
 
     def _check_usable(self) -> None:
         """Raise if this client cannot serve the caller: closed, fenced, or made in another process."""
@@ -733,6 +757,15 @@ class BatchClient:
                 start.epoch,
                 start.step,
                 start.schedule_fingerprint,
+            )
+        if self._next is None and (start.epoch, start.step) != (0, 0):  # not a reconnect, not a load
+            log.info(
+                "rank %d: job %r continues at epoch %d step %d, where the store left it (a restart "
+                "without load_state_dict; use another job name for a new run)",
+                self.rank,
+                self.job,
+                start.epoch,
+                start.step,
             )
         self._fingerprint = start.schedule_fingerprint
         self._next = (start.epoch, start.step)
@@ -936,6 +969,14 @@ class BatchClient:
     def __enter__(self) -> BatchClient:
         return self
 
+    def __reduce__(self) -> Any:
+        """Refused: a client is one process's live stream (a ``spawn`` worker makes its own)."""
+        raise BatchClientError(
+            "a BatchClient cannot be pickled: it holds one process's live gRPC stream of its rank; "
+            "make the client in the process that trains (from its arguments), and keep "
+            "DataLoader(num_workers=0) for BatchDataset"
+        )
+
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
@@ -979,6 +1020,20 @@ def _end_dropped(stream: _ThreadedStream | _PolledStream, channel: Any) -> None:
 # failure on that batch (an uncaught exception, or sys.exit after a caught one), and the next
 # process must get it again.
 _LIVE: weakref.WeakSet[BatchClient] = weakref.WeakSet()
+
+
+_warned_default_job = False
+
+
+def _warn_default_job() -> None:
+    """Once a process: two runs that name no job share one, and the second resumes the first."""
+    global _warned_default_job
+    if not _warned_default_job:
+        _warned_default_job = True
+        log.warning(
+            "BatchClient: no job given (job=... or LADLE_JOB), so the job is 'default'; every run that "
+            "names none shares it, and a new run continues where the last one stopped"
+        )
 
 
 def _end(client: BatchClient) -> None:

@@ -23,6 +23,12 @@ from .errors import BatchClientError
 
 __all__ = ["BatchDataset"]
 
+_IN_PROCESS = (
+    "BatchDataset must run with DataLoader(num_workers=0): BatchClient already reads ahead on "
+    "a thread of its own, and in a worker process its position would be out of state_dict()'s "
+    "reach (and a second worker would open the same rank and fence the first)"
+)
+
 
 class BatchDataset(IterableDataset[Batch]):
     """One epoch per iteration of a ``BatchClient``: the one given, or one made lazily with these arguments.
@@ -49,12 +55,14 @@ class BatchDataset(IterableDataset[Batch]):
 
     def __iter__(self) -> Iterator[Batch]:
         if get_worker_info() is not None:
-            raise BatchClientError(
-                "BatchDataset must run with DataLoader(num_workers=0): BatchClient already reads ahead on "
-                "a thread of its own, and in a worker process its position would be out of state_dict()'s "
-                "reach (and a second worker would open the same rank and fence the first)"
-            )
+            raise BatchClientError(_IN_PROCESS)
         return iter(self.client)
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled for a worker process (spawn, forkserver): refused as ``__iter__`` refuses a worker."""
+        if self._client is not None:
+            raise BatchClientError(_IN_PROCESS)
+        return self.__dict__.copy()
 
     def state_dict(self) -> dict[str, Any]:
         return self.client.state_dict()

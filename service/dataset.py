@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
+import re
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -51,6 +53,7 @@ __all__ = [
 ]
 
 I64 = npt.NDArray[np.int64]
+log = logging.getLogger("ladle.dataset")
 
 TOKENS = "input_ids"
 LOSS_MASK = "loss_mask"
@@ -167,6 +170,7 @@ def open_dataset(path: str | os.PathLike[str]) -> TokenDataset:
         raise DatasetError(f"{where}: a data file cannot be read: {exc}") from exc
     table = ds.data.table
     _check_columns(where, table)
+    _warn_ignored(where, table.column_names)
     num_rows = int(table.num_rows)
     if num_rows == 0:
         raise EmptyDatasetError(f"dataset {where} has no rows; ladle needs at least one")
@@ -207,7 +211,16 @@ def _load(where: str) -> Any:
     if not folder.exists():
         raise DatasetNotFoundError(f"no dataset at {where}: the path does not exist")
     if not folder.is_dir():
-        raise DatasetError(f"{where} is a file; pass the folder that datasets.Dataset.save_to_disk wrote")
+        if (folder.parent / "state.json").is_file():
+            hint = f"; this file is one of its shards: pass its folder, {folder.parent}"
+        elif folder.suffix in (".parquet", ".jsonl", ".json", ".csv"):
+            kind = {".jsonl": "json"}.get(folder.suffix, folder.suffix[1:])
+            hint = f"; convert it once: datasets.Dataset.from_{kind}({str(folder)!r}).save_to_disk(OUT)"
+        else:
+            hint = ""
+        raise DatasetError(
+            f"{where} is a file; pass the folder that datasets.Dataset.save_to_disk wrote{hint}"
+        )
     dict_json = folder / "dataset_dict.json"
     if dict_json.is_file() and not (folder / "state.json").is_file():
         splits = _splits(dict_json)
@@ -230,7 +243,11 @@ def _load(where: str) -> Any:
     try:
         ds = datasets.load_from_disk(where, keep_in_memory=False)
     except (OSError, ValueError, KeyError, IndexError, TypeError, pa.ArrowException) as exc:
-        raise DatasetError(f"{where} could not be opened as a saved dataset: {exc}") from exc
+        short = re.search(r"Expected to (be able to )?read \d+", str(exc)) is not None
+        hint = " (a data file is shorter than its header says: still being written, or cut short?)"
+        raise DatasetError(
+            f"{where} could not be opened as a saved dataset{hint if short else ''}: {exc}"
+        ) from exc
     if isinstance(ds, datasets.DatasetDict):
         raise DatasetError(f"{where} holds a DatasetDict (splits {sorted(ds)}); pass one split's folder")
     if getattr(ds, "_indices", None) is not None:
@@ -265,9 +282,15 @@ def _check_columns(where: str, table: Any) -> None:
     for name in REQUIRED_COLUMNS:
         arrow_type = schema.field(name).type
         if not _is_list_of_int(arrow_type):
+            value_type = getattr(arrow_type, "value_type", None)
+            hint = (
+                f"; cast it before save_to_disk: ds.cast_column({name!r}, Sequence(Value('int8')))"
+                if value_type is not None and pa.types.is_boolean(value_type)
+                else ""
+            )
             raise DatasetError(
                 f"dataset {where}: column {name!r} has Arrow type {arrow_type}; "
-                "expected a list (or large_list) of integers"
+                f"expected a list (or large_list) of integers{hint}"
             )
     if SEQ_LEN in present:
         arrow_type = schema.field(SEQ_LEN).type
@@ -276,6 +299,20 @@ def _check_columns(where: str, table: Any) -> None:
                 f"dataset {where}: column {SEQ_LEN!r} has Arrow type {arrow_type}; "
                 "expected an integer (one length per row)"
             )
+
+
+# Columns a tokenized dataset often has that ladle does not read, and what it does instead.
+_IGNORED = {
+    "attention_mask": "attention_mask comes from each row's length: every stored token is taken as "
+    "real, so rows saved padded are served with their padding as tokens (save them unpadded)",
+    "labels": "the loss mask is loss_mask (labels are input_ids shifted, in the trainer)",
+}
+
+
+def _warn_ignored(where: str, columns: list[str]) -> None:
+    for name in columns:
+        if name in _IGNORED:
+            log.warning("dataset %s: column %r is not read: %s", where, name, _IGNORED[name])
 
 
 def _is_null(column: Any) -> npt.NDArray[np.bool_]:

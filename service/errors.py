@@ -115,8 +115,9 @@ class DatasetChangedError(DatasetError):
         self.detail = detail
         super().__init__(
             f"dataset file {file} changed on disk while it was served: {detail}. The server sends no "
-            f"more batches of {path}; restart it once the dataset is complete again (a dataset "
-            "written anew has another fingerprint: start a new job for it)"
+            f"more batches of {path}. Write a changed dataset to a new folder, then restart the "
+            "server on that folder under a new job name (the fingerprint does not see every edit, "
+            "so a job resumed on rewritten data could mix old rows and new)"
         )
 
     def __reduce__(self) -> tuple[type[DatasetChangedError], tuple[str, str, str]]:
@@ -129,6 +130,11 @@ class MissingColumnsError(DatasetError):
         super().__init__(
             f"dataset {path} lacks column(s) {missing}; it has {present}. "
             "ladle needs input_ids (list of int) and loss_mask (list of int, same lengths)"
+            + (
+                "; from labels: ds.map(lambda r: {'loss_mask': [int(t != -100) for t in r['labels']]})"
+                if "loss_mask" in missing and "labels" in present
+                else ""
+            )
         )
 
 
@@ -230,7 +236,8 @@ class JobMismatchError(StoreError):
             f"job {job!r} exists with another identity ({detail}); refusing to resume it on other "
             "data or another schedule config. Use a new job name, or start it over from the "
             f"beginning: `ladle jobs --delete {job} --state FILE` (or `--redis-url URL`: the server's "
-            "store; stop the job's trainers first), or open_job(..., reset=True)"
+            "store; stop the job's trainers first), or from Python with "
+            "ladle.service.jobs.JobRegistry.open(..., reset=True)"
         )
 
     @property

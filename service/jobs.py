@@ -333,7 +333,24 @@ class Job:
         return sched
 
     def _plan(self, epoch: int) -> Schedule:
-        return plan_schedule(self.dataset.lengths, self.config, epoch, self.world_size, self.plan)
+        sched = plan_schedule(self.dataset.lengths, self.config, epoch, self.world_size, self.plan)
+        counts = sched.dropped.counts
+        if counts:  # rows no rank will see this epoch: said where the operator looks, not only in the API
+            lost = counts.get("remainder", 0)
+            log.log(
+                logging.WARNING if lost else logging.INFO,
+                "job %s epoch %d: %d of %d rows left out of the epoch (%s)%s",
+                self.name,
+                epoch,
+                sum(counts.values()),
+                self.dataset.num_rows,
+                ", ".join(f"{reason} {n}" for reason, n in sorted(counts.items())),
+                f"; {lost} rows could not fill a step on every rank (remainder={self.config.remainder!r} "
+                "drops them when splitting cannot place them)"
+                if lost
+                else "",
+            )
+        return sched
 
     def has_schedule(self, epoch: int) -> bool:
         return self.cache.has((self.fingerprint, epoch))

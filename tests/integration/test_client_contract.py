@@ -69,6 +69,25 @@ def test_stopping_after_an_epochs_last_batch_does_not_make_an_empty_epoch(module
         assert following == [(2, s) for s in range(total)], "the next iteration was not epoch 2"
 
 
+def test_a_checkpoint_on_an_epochs_last_batch_resumes_into_that_epochs_empty_rest(module_server: Any) -> None:
+    """The usual loop, resumed: `for epoch in range(saved_epoch, N): for batch in client:` trains N epochs.
+
+    The first iteration after the load used to be the next epoch, so a run resumed from
+    a checkpoint taken on an epoch's last batch trained one epoch more than asked.
+    """
+    with BatchClient(0, 1, module_server.address, "last-ckpt") as c:
+        total = len(list(c))  # epoch 0
+        for batch in c:  # epoch 1, checkpointed after every step as a trainer does
+            state = c.state_dict()
+            saved_epoch = batch.epoch
+        assert (state["epoch"], state["step"], saved_epoch) == (1, total, 1)
+    resumed = BatchClient(0, 1, module_server.address, "last-ckpt")
+    resumed.load_state_dict(state)
+    seen = [[b.epoch for b in resumed] for _ in range(saved_epoch, 3)]  # epochs 1 (its rest) and 2
+    resumed.close()
+    assert seen == [[], [2] * total], [sorted(set(e)) for e in seen]
+
+
 def test_a_checkpoint_before_the_first_batch_holds_where_the_rank_starts(module_server: Any) -> None:
     """A restarted trainer that saves before it reads must not rewind the rank to (0, 0)."""
     with BatchClient(0, 1, module_server.address, "early-ckpt") as c:
@@ -448,3 +467,39 @@ def test_the_server_logs_why_each_stream_ended(server_factory: Server) -> None:
     assert re.search(r"stream end: job=logged rank=0 .*ended by the trainer", log), log[-1500:]
     fenced = r"stream end: job=taken rank=0 generation=1 .*failed_precondition/fenced"
     assert re.search(fenced, log), log[-1500:]
+
+
+def test_a_run_that_names_no_job_is_warned_and_a_resume_is_logged(
+    module_server: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Two unrelated runs without LADLE_JOB share 'default': the second silently went on from the first."""
+    from ladle.client import client as client_module
+
+    monkeypatch.delenv("LADLE_JOB", raising=False)
+    monkeypatch.setattr(client_module, "_warned_default_job", False)
+    with caplog.at_level("INFO", logger="ladle.client"):
+        with BatchClient(0, 1, module_server.address) as first:
+            assert first.job == "default"
+            steps(first, 4)  # close() consumes the held one too
+        with BatchClient(0, 1, module_server.address) as second:
+            assert steps(second, 1) == [4]
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1, warnings  # once a process
+    assert "no job given" in warnings[0]
+    assert "job 'default' continues at epoch 0 step 4, where the store left it" in caplog.text
+    caplog.clear()
+    with (
+        caplog.at_level("INFO", logger="ladle.client"),
+        BatchClient(0, 1, module_server.address, "fresh") as c,
+    ):
+        steps(c, 1)
+    assert "continues at" not in caplog.text
+    assert "no job given" not in caplog.text
+
+
+def test_a_client_refuses_to_be_pickled(module_server: Any) -> None:
+    with (
+        BatchClient(0, 1, module_server.address, "no-pickle") as client,
+        pytest.raises(BatchClientError, match="cannot be pickled"),
+    ):
+        pickle.dumps(client)

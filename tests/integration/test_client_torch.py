@@ -50,6 +50,20 @@ def test_dataloader_workers_are_refused(server_factory: Callable[..., Any], work
     data.close()
 
 
+@pytest.mark.parametrize("context", ["spawn", "forkserver"])
+def test_dataloader_workers_over_a_client_are_refused_under_spawn(
+    server_factory: Callable[..., Any], context: str
+) -> None:
+    """Pickled for a spawned worker, a wrapped client failed with "Can't pickle local object"."""
+    server = server_factory()
+    with BatchClient(0, 1, server.address, f"dl-{context}", timeout=30, device="cpu") as client:
+        loader = torch.utils.data.DataLoader(
+            BatchDataset(client), batch_size=None, num_workers=1, multiprocessing_context=context
+        )
+        with pytest.raises(BatchClientError, match="num_workers=0"):
+            next(iter(loader))
+
+
 def test_dataloader_adapter_over_a_client(server_factory: Callable[..., Any]) -> None:
     server = server_factory()
     with BatchClient(0, 1, server.address, "dl-client", timeout=30, device="cpu") as client:

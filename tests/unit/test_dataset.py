@@ -465,6 +465,66 @@ def test_file_is_not_a_dataset(tmp_path: Path) -> None:
         open_dataset(tmp_path / "file.arrow")
 
 
+def test_a_file_path_is_refused_with_what_to_pass_instead(tmp_path: Path) -> None:
+    path = small(tmp_path / "ds")
+    shard = next(path.glob("data-*.arrow"))
+    with pytest.raises(DatasetError, match=r"one of its shards: pass its folder, .*ds$"):
+        open_dataset(shard)
+    parquet = tmp_path / "data.parquet"
+    parquet.write_bytes(b"PAR1")
+    with pytest.raises(DatasetError, match=r"Dataset\.from_parquet\('.*data\.parquet'\)\.save_to_disk"):
+        open_dataset(parquet)
+
+
+def test_a_shard_cut_short_says_so(tmp_path: Path) -> None:
+    path = small(tmp_path / "ds")
+    shard = next(path.glob("data-*.arrow"))
+    shard.write_bytes(shard.read_bytes()[:-200])  # as a reader sees a save_to_disk still writing
+    with pytest.raises(DatasetError, match="shorter than its header says") as info:
+        open_dataset(path)
+    assert type(info.value) is DatasetError
+
+
+def test_a_bool_loss_mask_is_refused_with_the_cast_to_make(tmp_path: Path) -> None:
+    table = pa.table(
+        {
+            "input_ids": pa.array([[1, 2], [3]], type=pa.list_(pa.int32())),
+            "loss_mask": pa.array([[True, False], [True]], type=pa.list_(pa.bool_())),
+        }
+    )
+    with pytest.raises(DatasetError, match=r"cast_column\('loss_mask', Sequence\(Value\('int8'\)\)\)"):
+        open_dataset(save_table(tmp_path / "ds", table))
+
+
+def test_labels_without_a_loss_mask_gets_the_map_that_makes_one(tmp_path: Path) -> None:
+    table = pa.table(
+        {
+            "input_ids": pa.array([[1, 2], [3]], type=pa.list_(pa.int32())),
+            "labels": pa.array([[-100, 2], [3]], type=pa.list_(pa.int64())),
+        }
+    )
+    with pytest.raises(MissingColumnsError, match=r"from labels: ds\.map"):
+        open_dataset(save_table(tmp_path / "ds", table))
+
+
+def test_columns_ladle_does_not_read_are_named_in_a_warning(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Rows saved padded (tokenizer(..., padding='max_length')) would be served with padding as tokens."""
+    table = token_table(SMALL_ROWS).append_column(
+        "attention_mask", pa.array([[1] * len(r) for r in SMALL_ROWS], type=pa.list_(pa.int8()))
+    )
+    table = table.append_column("labels", pa.array(SMALL_ROWS, type=pa.list_(pa.int64())))
+    with caplog.at_level("WARNING", logger="ladle.dataset"):
+        open_dataset(save_table(tmp_path / "ds", table))
+    assert "column 'attention_mask' is not read" in caplog.text
+    assert "column 'labels' is not read" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="ladle.dataset"):
+        open_dataset(small(tmp_path / "plain"))
+    assert not caplog.text
+
+
 def test_corrupt_shard(tmp_path: Path) -> None:
     path = small(tmp_path / "ds")
     next(path.glob("data-*.arrow")).write_bytes(b"not arrow")

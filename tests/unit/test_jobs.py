@@ -64,3 +64,24 @@ def test_a_position_past_its_epochs_end_is_refused_not_carried_on(monkeypatch: p
     with pytest.raises(ConfigError, match="step"):
         job.normalise(Position(0, 10**12))  # once carried over epoch after epoch: one build each
     assert set(calls) <= {0, 1}, f"schedules built for epochs {sorted(set(calls))}"
+
+
+def test_rows_left_out_of_an_epoch_are_logged(caplog: pytest.LogCaptureFixture) -> None:
+    """remainder='split' falls back to dropping rows it cannot place: only the API said so."""
+    lengths = np.array([100, 60000, 50], dtype=np.int64)  # the long row has no partner for rank 1
+    dataset = SimpleNamespace(lengths=lengths, fingerprint="ds", num_rows=3)
+    config = ScheduleConfig(max_seq_len=60000, bucket_bounds=(0, 100, 60001), token_budget=100000)
+    job = jobs.Job("short", dataset, config, 2, store=None)  # type: ignore[arg-type]
+    with caplog.at_level("INFO", logger="ladle.server"):
+        sched = job.schedule(0)
+    assert sched.dropped.counts == {"remainder": 1}
+    warned = [r for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warned) == 1, caplog.text
+    message = warned[0].getMessage()
+    assert "job short epoch 0: 1 of 3 rows left out of the epoch (remainder 1)" in message
+    assert "remainder='split'" in message
+    caplog.clear()
+    with caplog.at_level("INFO", logger="ladle.server"):
+        full = SimpleNamespace(lengths=lengths[[0, 2]], fingerprint="d2", num_rows=2)
+        jobs.Job("full", full, config, 2, store=None).schedule(0)  # type: ignore[arg-type]
+    assert "left out" not in caplog.text
