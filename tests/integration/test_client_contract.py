@@ -503,3 +503,33 @@ def test_a_client_refuses_to_be_pickled(module_server: Any) -> None:
         pytest.raises(BatchClientError, match="cannot be pickled"),
     ):
         pickle.dumps(client)
+
+
+def test_the_trainers_thread_never_sends_into_grpc(
+    module_server: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Python handles signals on the trainer's thread: a Ctrl-C inside grpcio's send left its lock held.
+
+    (An emergency state_dict() in the KeyboardInterrupt handler then hung: 2 of 14 tries in an audit.)
+    """
+    from ladle.client import _direct
+
+    senders: set[str] = set()
+    send = _direct.DirectCall.send
+
+    def recording(self: Any, message: bytes) -> bool:
+        senders.add(threading.current_thread().name)
+        return bool(send(self, message))
+
+    monkeypatch.setattr(_direct.DirectCall, "send", recording)
+    me = threading.current_thread().name
+    with BatchClient(0, 1, module_server.address, "no-send-here", prefetch=4) as client:
+        if not client._polled:
+            pytest.skip("the threaded reader sends from grpcio's request thread")
+        for i, _ in enumerate(client):
+            if i % 7 == 0:
+                client.state_dict()  # a flush
+            if i == 40:
+                break
+    assert senders, "no acknowledgement went through DirectCall.send"
+    assert me not in senders, f"the trainer's thread sent into gRPC (senders: {sorted(senders)})"
