@@ -14,6 +14,7 @@ Imports only grpcio, numpy and ``ladle.proto`` (torch when ``device`` is given).
 from __future__ import annotations
 
 import atexit
+import contextlib
 import ipaddress
 import logging
 import os
@@ -335,7 +336,11 @@ class _PolledStream(_Stream):
         convert: Callable[[codec.DecodedBatch], Batch],
     ) -> None:
         super().__init__(depth, convert)
-        self._cond = threading.Condition()
+        # The trainer's thread touches only C-level primitives here (a Lock, a SimpleQueue): a
+        # KeyboardInterrupt lands between bytecodes, and inside threading.Condition's Python
+        # methods it could leave the lock held or the watchdog unwoken
+        self._lock = threading.Lock()
+        self._wake: queue.SimpleQueue[None] = queue.SimpleQueue()  # wakes the watchdog
         self._closed = False
         self._watch_held = False  # the watchdog knows of the held acknowledgement
         self.call = _direct.DirectCall(channel, rpc.STREAM_METHOD, open_request.SerializeToString(), metadata)
@@ -360,14 +365,14 @@ class _PolledStream(_Stream):
 
     def _sent(self) -> None:
         """The message in flight has gone (on the reader thread): send a held acknowledgement that is due."""
-        with self._cond:
+        with self._lock:
             if self._due():
                 self._send_locked()
 
     # --- the trainer's thread ---
 
     def _send_locked(self) -> bool:
-        """Send the pending acknowledgement unless a message is in flight; hold the condition."""
+        """Send the pending acknowledgement unless a message is in flight; hold ``_lock``."""
         request = self._ack_request()
         if request is None or self.call.sending():
             return False
@@ -378,23 +383,23 @@ class _PolledStream(_Stream):
 
     def ack(self, through: tuple[int, int]) -> None:
         """The trainer consumed everything before ``through``: one batch's credit back."""
-        with self._cond:
-            if self._hold(through):
-                if not self._watch_held:  # wake the watchdog once for each held group
-                    self._watch_held = True
-                    self._cond.notify()
-                return
-            # due: the watchdog sends it, not this thread. Signals are handled on the trainer's
+        with self._lock:
+            wake = not self._hold(through) or not self._watch_held  # due, or the group's first held
+            self._watch_held = True
+        if wake:
+            # the watchdog sends it, not this thread. Signals are handled on the trainer's
             # thread, and a KeyboardInterrupt inside grpcio's send left grpcio's lock held: the
             # emergency checkpoint after a Ctrl-C then hung (2 of 14 tries in an audit)
-            self._cond.notify()
+            self._wake.put(None)
 
     def flush(self) -> None:
         """Have the pending acknowledgement sent now (by the watchdog), or once the message in flight went."""
-        with self._cond:
-            if self._through is not None:
+        with self._lock:
+            pending = self._through is not None
+            if pending:
                 self._last_sent = 0.0  # due: the watchdog sends it, or _sent when it cannot go now
-                self._cond.notify()
+        if pending:
+            self._wake.put(None)
 
     def close(self, join: float = 0.0) -> None:
         """End the stream; with ``join``, first let the server take the last acknowledgement.
@@ -416,9 +421,9 @@ class _PolledStream(_Stream):
                 time.sleep(0.001)  # the reader thread sees the last message go
             if call.close_send():
                 self.thread.join(timeout=max(0.0, end - time.monotonic()))
-        with self._cond:
+        with self._lock:
             self._closed = True
-            self._cond.notify()
+        self._wake.put(None)
         call.cancel()  # the reader's receive ends; it releases the call
         if join:
             self.thread.join(timeout=join)
@@ -427,8 +432,13 @@ class _PolledStream(_Stream):
 
     def _watch(self) -> None:
         """Send every due acknowledgement (a full group, a flush, or one held ``ACK_DELAY``)."""
-        with self._cond:
-            while not self._closed:
+        wait: float | None = None
+        while True:
+            with contextlib.suppress(queue.Empty):  # Empty: a held acknowledgement's ACK_DELAY is up
+                self._wake.get(timeout=wait)
+            with self._lock:
+                if self._closed:
+                    return
                 wait = None
                 if self._through is not None:
                     if self._due():  # it goes now, or _sent sends it when the message in flight has gone
@@ -438,7 +448,6 @@ class _PolledStream(_Stream):
                         wait = max(0.0, self._last_sent + ACK_DELAY - time.monotonic())
                 else:
                     self._watch_held = False
-                self._cond.wait(wait)
 
 
 class BatchClient:
