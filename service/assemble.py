@@ -103,6 +103,42 @@ _INT32 = (-(2**31), 2**31 - 1, "int32 (the wire's token ids)")
 _INT8 = (-(2**7), 2**7 - 1, "int8 (the wire's loss mask)")
 
 
+class _Wide:
+    """One batch's rows of columns wider than the wire's types, checked together at the end.
+
+    One ``min``/``max`` over the batch's values instead of two per row (the
+    per-row check doubled the slow path's time); a row is named only when
+    the batch holds a value that does not fit.
+    """
+
+    def __init__(self, asm: Assembler) -> None:
+        self.asm = asm
+        self.ids: list[tuple[int, npt.NDArray[Any]]] = []
+        self.mask: list[tuple[int, npt.NDArray[Any]]] = []
+
+    def row(self, row: int, c: int, cm: int, p: int, q: int, n: int) -> tuple[Any, Any]:
+        """A row's tokens and mask as stored; remembered for ``check`` when their dtype is wider."""
+        asm = self.asm
+        tokens = asm._ids[c][p : p + n]
+        mask = asm._mask[cm][q : q + n]
+        if asm._ids_wide[c]:
+            self.ids.append((row, tokens))
+        if asm._mask_wide[cm]:
+            self.mask.append((row, mask))
+        return tokens, mask
+
+    def check(self) -> None:
+        """Raise ``DatasetError`` naming the first row with a value outside the wire's type."""
+        for column, rows, bounds in ((TOKENS, self.ids, _INT32), (LOSS_MASK, self.mask, _INT8)):
+            if not rows:
+                continue
+            values = np.concatenate([v for _, v in rows]) if len(rows) > 1 else rows[0][1]
+            low, high, _ = bounds
+            if values.size and (int(values.min()) < low or int(values.max()) > high):
+                for row, v in rows:
+                    _check_fits(self.asm.dataset.path, column, row, v, bounds)
+
+
 def _check_fits(
     where: str, column: str, row: int, values: npt.NDArray[Any], bounds: tuple[int, int, str]
 ) -> None:
@@ -431,14 +467,16 @@ class Assembler:
                     ids.append(pad_ids[: 4 * (width - n)])
                     mask.append(pad_mask[: width - n])
         else:
+            wide = _Wide(self)
             for row, (c, cm, p, q, n) in zip(row_ids.tolist(), plan, strict=True):
-                tokens, row_mask_src = self._row_values(row, c, cm, p, q, n)
+                tokens, row_mask_src = wide.row(row, c, cm, p, q, n)
                 row_tokens = np.full(width, pad, dtype="<i4")
                 row_tokens[:n] = tokens
                 row_mask = np.zeros(width, dtype="<i1")
                 row_mask[:n] = row_mask_src
                 ids.append(_byte_view(row_tokens))
                 mask.append(_byte_view(row_mask))
+            wide.check()
         return BatchPieces(ids, mask, cut.astype(np.int32), row_ids)
 
     def frame(
@@ -624,25 +662,17 @@ class Assembler:
     def _copy_cast(self, storage: _Storage, rows: I64, plan: _Plan, width: int, pad: int) -> None:
         """Other integer widths: numpy slice assignment, which converts while it copies."""
         ids, mask = storage.ids, storage.mask
+        wide = _Wide(self)
         begin = 0
         for row, (c, cm, p, q, n) in zip(rows.tolist(), plan, strict=True):
             end = begin + n
-            ids[begin:end], mask[begin:end] = self._row_values(row, c, cm, p, q, n)
+            ids[begin:end], mask[begin:end] = wide.row(row, c, cm, p, q, n)
             if n < width:
                 stop = begin + width
                 ids[end:stop] = pad
                 mask[end:stop] = 0
             begin += width
-
-    def _row_values(self, row: int, c: int, cm: int, p: int, q: int, n: int) -> tuple[Any, Any]:
-        """A row's tokens and mask as stored, checked to fit int32 / int8 when their dtype is wider."""
-        tokens = self._ids[c][p : p + n]
-        row_mask = self._mask[cm][q : q + n]
-        if self._ids_wide[c]:
-            _check_fits(self.dataset.path, TOKENS, row, tokens, _INT32)
-        if self._mask_wide[cm]:
-            _check_fits(self.dataset.path, LOSS_MASK, row, row_mask, _INT8)
-        return tokens, row_mask
+        wide.check()
 
     def _pads(self, pad: int, width: int) -> tuple[memoryview, memoryview]:
         """Byte views of at least ``width`` pad tokens and ``width`` zero mask bytes."""
