@@ -199,9 +199,75 @@ def main(rows: int = 50_000, repeat: int = 3) -> dict[str, Any]:
                 2,
             ),
             "repeat": repeat,
+            "wide_columns": wide_columns(tmp, repeat),
         }
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+WIDE_ROWS = 4_000
+
+
+def wide_columns(tmp: Path, repeat: int = 3) -> dict[str, Any]:
+    """``Assembler.frame`` over an epoch of the same rows stored as int32/int8 and as int64.
+
+    The int64 columns (what ``datasets`` makes of Python ints) take the
+    converting path; its range check (a value outside the wire's int32 or
+    int8 is refused, not wrapped) is timed on and off in the same run.
+    """
+    from ladle.service import assemble
+    from ladle.service.dataset import open_dataset
+
+    narrow = make_dataset(tmp / "narrow", WIDE_ROWS, seed=1)
+    wide_path = tmp / "wide"
+    features = datasets.Features(
+        {
+            TOKENS: datasets.Sequence(datasets.Value("int64")),
+            LOSS_MASK: datasets.Sequence(datasets.Value("int64")),
+        }
+    )
+    datasets.disable_progress_bars()
+    loaded = datasets.load_from_disk(str(tmp / "narrow")).select_columns([TOKENS, LOSS_MASK])
+    loaded.cast(features).save_to_disk(str(wide_path))
+    wide = open_dataset(wide_path)
+    sched = build_schedule(narrow.lengths, ScheduleConfig(), world_size=1)
+    jobs = [(sched.samples(s, 0), sched.padded_len(s, 0)) for s in range(sched.num_steps)]
+    check = assemble._Wide.check
+
+    def frames(asm: Assembler, checked: bool = True) -> Callable[[], None]:
+        def run() -> None:
+            assemble._Wide.check = check if checked else (lambda self: None)  # type: ignore[method-assign]
+            try:
+                for step, (rows, padded_len) in enumerate(jobs):
+                    asm.frame(
+                        rows, padded_len, epoch=0, step=step, rank=0, bucket=0, schedule_fingerprint="f"
+                    )
+            finally:
+                assemble._Wide.check = check  # type: ignore[method-assign]
+
+        return run
+
+    cases = {
+        "int32_int8": frames(Assembler(narrow)),
+        "int64_checked": frames(Assembler(wide)),
+        "int64_unchecked": frames(Assembler(wide), checked=False),
+    }
+    times: dict[str, list[float]] = {name: [] for name in cases}
+    for run in cases.values():
+        run()
+    for _ in range(repeat):
+        for name, run in cases.items():
+            began = time.process_time()
+            run()
+            times[name].append(time.process_time() - began)
+    us = {name: round(statistics.median(t) / len(jobs) * 1e6, 1) for name, t in times.items()}
+    return {
+        "rows": WIDE_ROWS,
+        "batches": len(jobs),
+        "cpu_us_per_batch": us,
+        "int64_vs_int32": round(us["int64_checked"] / us["int32_int8"], 2),
+        "check_cost": round(us["int64_checked"] / us["int64_unchecked"], 2),
+    }
 
 
 def summary(result: dict[str, Any]) -> str:
@@ -220,6 +286,13 @@ def summary(result: dict[str, Any]) -> str:
         f"vs np.take gather {result['ratio_vs_np_take_gather']}x; with a "
         f"{result['consumer_sleep_us']} us GIL-free consumer, prefetching is "
         f"{result['ratio_prefetch_vs_serial_with_consumer']}x serial"
+    )
+    wide = result["wide_columns"]
+    us = wide["cpu_us_per_batch"]
+    lines.append(
+        f"  Assembler.frame, {wide['batches']} batches of {wide['rows']:,} rows: int32/int8 columns "
+        f"{us['int32_int8']} us a batch; int64 {us['int64_checked']} us ({wide['int64_vs_int32']}x), "
+        f"{us['int64_unchecked']} us without the range check ({wide['check_cost']}x for the check)"
     )
     return "\n".join(lines)
 
