@@ -383,6 +383,19 @@ class Assembler:
         )
         # byte pieces go to the wire as they are (little-endian int32 ids, int8 masks)
         self._wire_bytes = self._byte_copy and sys.byteorder == "little"
+        slow = [
+            f"{name} is {dtype}"
+            for name, arrays, wire in ((TOKENS, self._ids, np.int32), (LOSS_MASK, self._mask, np.int8))
+            for dtype in sorted({str(a.dtype) for a in arrays if a.dtype != wire})
+        ]
+        if slow:  # datasets stores a loss_mask made of Python ints as int64: the common case
+            log.warning(
+                "dataset %s: %s; batches are converted row by row, about 16x the CPU of int32 ids "
+                "and an int8 mask (benchmarks/bench_assemble.py): cast before save_to_disk, e.g. "
+                "ds.cast_column('loss_mask', Sequence(Value('int8')))",
+                dataset.path,
+                " and ".join(slow),
+            )
         self._ids_bytes = [_byte_view(v) for v in self._ids]
         # what the compiled plan reads of each row: its offsets, and its chunks' first rows and deltas
         self._tables = (

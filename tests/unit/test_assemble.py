@@ -977,3 +977,24 @@ def test_the_one_call_frame_refuses_or_converts_as_the_checked_one(
     except (ValueError, codec.WireFormatError) as exc:
         got = type(exc), str(exc)
     assert got == expected
+
+
+def test_columns_off_the_fast_path_are_named_in_a_warning(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A loss_mask of Python ints is int64 in datasets: every batch then took the slow path unannounced."""
+    rows = [[1, 2, 3], [4, 5]]
+    with caplog.at_level("WARNING", logger="ladle.server"):
+        Assembler(save(tmp_path / "default", {"input_ids": rows, "loss_mask": [[1, 1, 1], [0, 1]]}))
+    assert "loss_mask is int64; batches are converted row by row" in caplog.text
+    assert "input_ids is" not in caplog.text  # datasets makes input_ids int32
+    caplog.clear()
+    features = datasets.Features(
+        {
+            "input_ids": datasets.Sequence(datasets.Value("int32")),
+            "loss_mask": datasets.Sequence(datasets.Value("uint8")),
+        }
+    )
+    with caplog.at_level("WARNING", logger="ladle.server"):
+        Assembler(save(tmp_path / "fast", {"input_ids": rows, "loss_mask": [[1, 1, 1], [0, 1]]}, features))
+    assert not caplog.text
