@@ -6,7 +6,10 @@
  * allocated once at its final size and each row's tokens and mask are copied
  * into it, then padded. Every slice is checked against its source buffer
  * before anything is copied; the copying runs without the GIL. Python falls
- * back to the pieces path when this extension was not built.
+ * back to the pieces path when this extension was not built. `build` also
+ * takes a mask of a wider signed type (int16, int32, int64: datasets stores a
+ * mask of Python ints as int64) and converts it to int8 as it copies; a value
+ * outside int8 raises OverflowError, and the checked path names its row.
  *
  * `plan` works out, in one pass over a batch's rows, what `frame` needs of
  * each row (its length cut to the batch's width, the chunks and starts of its
@@ -64,11 +67,11 @@ static int take_all(PyObject *list, Py_buffer **views, Py_ssize_t *n, const char
 /* Check every row's slice against its chunk (before anything is copied); -1 with ValueError if one is outside. */
 static int check_slices(const Py_buffer *ids_src, Py_ssize_t n_ids, const Py_buffer *mask_src, Py_ssize_t n_mask,
                         const int64_t *ic, const int64_t *mc, const int64_t *ia, const int64_t *ma,
-                        const int64_t *n, Py_ssize_t rows, Py_ssize_t width) {
+                        const int64_t *n, Py_ssize_t rows, Py_ssize_t width, Py_ssize_t mask_size) {
     for (Py_ssize_t r = 0; r < rows; r++) {
         if (n[r] < 0 || n[r] > width || ic[r] < 0 || ic[r] >= n_ids || mc[r] < 0 || mc[r] >= n_mask ||
             ia[r] < 0 || ma[r] < 0 || ia[r] > ids_src[ic[r]].len / 4 - n[r] ||
-            ma[r] > mask_src[mc[r]].len - n[r]) {
+            ma[r] > mask_src[mc[r]].len / mask_size - n[r]) {
             PyErr_Format(PyExc_ValueError, "frame: row %zd's slice lies outside its data chunk", r);
             return -1;
         }
@@ -80,12 +83,14 @@ static int check_slices(const Py_buffer *ids_src, Py_ssize_t n_ids, const Py_buf
 static PyObject *copy_frame(const char *head, Py_ssize_t head_len, const char *gap, Py_ssize_t gap_len,
                             const char *samples, const char *lens, const Py_buffer *ids_src,
                             const Py_buffer *mask_src, const int64_t *ic, const int64_t *mc, const int64_t *ia,
-                            const int64_t *ma, const int64_t *n, Py_ssize_t rows, Py_ssize_t width, int pad) {
+                            const int64_t *ma, const int64_t *n, Py_ssize_t rows, Py_ssize_t width, int pad,
+                            Py_ssize_t mask_size) {
     Py_ssize_t tokens = rows * width;
     Py_ssize_t size = head_len + 4 * tokens + gap_len + 8 * rows + 4 * rows + tokens;
     PyObject *out = PyBytes_FromStringAndSize(NULL, size);
     if (!out) return NULL;
     char *at = PyBytes_AS_STRING(out);
+    Py_ssize_t bad_row = -1; /* a mask value outside int8 (mask_size > 1): the checked path names it */
     Py_BEGIN_ALLOW_THREADS
     /* The rows sit in the page cache, 4 KiB pages scattered in physical memory, and the
        hardware prefetcher stops at every page boundary: ask for every page of every slice
@@ -95,9 +100,9 @@ static PyObject *copy_frame(const char *head, Py_ssize_t head_len, const char *g
         const char *src = (const char *)ids_src[ic[r]].buf + ia[r] * 4;
         for (Py_ssize_t o = 0; o < n[r] * 4; o += PREFETCH_STRIDE) PREFETCH(src + o);
         if (n[r]) PREFETCH(src + n[r] * 4 - 1); /* the last page, when the slice starts late in one */
-        const char *msrc = (const char *)mask_src[mc[r]].buf + ma[r];
-        for (Py_ssize_t o = 0; o < n[r]; o += PREFETCH_STRIDE) PREFETCH(msrc + o);
-        if (n[r]) PREFETCH(msrc + n[r] - 1);
+        const char *msrc = (const char *)mask_src[mc[r]].buf + ma[r] * mask_size;
+        for (Py_ssize_t o = 0; o < n[r] * mask_size; o += PREFETCH_STRIDE) PREFETCH(msrc + o);
+        if (n[r]) PREFETCH(msrc + n[r] * mask_size - 1);
     }
     memcpy(at, head, (size_t)head_len);
     at += head_len;
@@ -120,11 +125,39 @@ static PyObject *copy_frame(const char *head, Py_ssize_t head_len, const char *g
     memcpy(at, lens, (size_t)(4 * rows));
     at += 4 * rows;
     for (Py_ssize_t r = 0; r < rows; r++) {
-        memcpy(at, (const char *)mask_src[mc[r]].buf + ma[r], (size_t)n[r]);
+        const char *msrc = (const char *)mask_src[mc[r]].buf + ma[r] * mask_size;
+        if (mask_size == 1) {
+            memcpy(at, msrc, (size_t)n[r]);
+        } else { /* a wider signed little-endian mask (datasets stores Python ints as int64) */
+            int64_t low = 0, high = 0;
+            for (Py_ssize_t i = 0; i < n[r]; i++) {
+                int64_t v;
+                if (mask_size == 8) {
+                    memcpy(&v, msrc + 8 * i, 8);
+                } else if (mask_size == 4) {
+                    int32_t w;
+                    memcpy(&w, msrc + 4 * i, 4);
+                    v = w;
+                } else {
+                    int16_t w;
+                    memcpy(&w, msrc + 2 * i, 2);
+                    v = w;
+                }
+                low = v < low ? v : low;
+                high = v > high ? v : high;
+                at[i] = (char)(int8_t)v;
+            }
+            if ((low < -128 || high > 127) && bad_row < 0) bad_row = r;
+        }
         memset(at + n[r], 0, (size_t)(width - n[r]));
         at += width;
     }
     Py_END_ALLOW_THREADS
+    if (bad_row >= 0) {
+        Py_DECREF(out);
+        PyErr_Format(PyExc_OverflowError, "frame: row %zd's loss_mask holds a value outside int8", bad_row);
+        return NULL;
+    }
     return out;
 }
 
@@ -162,9 +195,9 @@ static PyObject *frame(PyObject *self, PyObject *args) {
     if (take_all(mask_list, &mask_src, &n_mask, "mask_chunks") < 0) goto done;
     const int64_t *ic = ids_chunk.buf, *mc = mask_chunk.buf, *ia = ids_at.buf, *ma = mask_at.buf,
                   *n = cut.buf;
-    if (check_slices(ids_src, n_ids, mask_src, n_mask, ic, mc, ia, ma, n, rows, width) < 0) goto done;
+    if (check_slices(ids_src, n_ids, mask_src, n_mask, ic, mc, ia, ma, n, rows, width, 1) < 0) goto done;
     out = copy_frame(head.buf, head.len, gap.buf, gap.len, samples.buf, lens.buf, ids_src, mask_src, ic, mc,
-                     ia, ma, n, rows, width, pad);
+                     ia, ma, n, rows, width, pad, 1);
 done:
     release_chunks(ids_src, n_ids, mask_src, n_mask);
     PyBuffer_Release(&head);
@@ -424,10 +457,16 @@ static int take_rows(PyObject *obj, Py_buffer *view) {
 static PyObject *build(PyObject *self, PyObject *args) {
     PyObject *epoch_o, *step_o, *rank_o, *bucket_o, *fp_o, *rows_o, *width_o, *pad_o, *ids_list, *mask_list;
     Tables t = {0};
-    if (!PyArg_ParseTuple(args, "OOOOUOOOy*y*y*y*y*OO", &epoch_o, &step_o, &rank_o, &bucket_o, &fp_o, &rows_o,
+    Py_ssize_t mask_size = 1; /* bytes per mask value: 1 (int8), or 2, 4, 8 (signed, converted) */
+    if (!PyArg_ParseTuple(args, "OOOOUOOOy*y*y*y*y*OO|n", &epoch_o, &step_o, &rank_o, &bucket_o, &fp_o, &rows_o,
                           &width_o, &pad_o, &t.offsets, &t.ids_first, &t.ids_delta, &t.mask_first,
-                          &t.mask_delta, &ids_list, &mask_list))
+                          &t.mask_delta, &ids_list, &mask_list, &mask_size))
         return NULL;
+    if (mask_size != 1 && mask_size != 2 && mask_size != 4 && mask_size != 8) {
+        release_tables(&t);
+        PyErr_SetString(PyExc_ValueError, "build: mask_size must be 1, 2, 4 or 8");
+        return NULL;
+    }
     Py_buffer rows = {0};
     Py_buffer *ids_src = NULL, *mask_src = NULL;
     Py_ssize_t n_ids = 0, n_mask = 0;
@@ -465,12 +504,12 @@ static PyObject *build(PyObject *self, PyObject *args) {
     if (take_all(mask_list, &mask_src, &n_mask, "mask_chunks") < 0) goto done;
     const int64_t *cut = (const int64_t *)plan_buf, *ic = cut + n, *mc = ic + n, *ia = mc + n, *ma = ia + n;
     const char *lens = (const char *)(ma + n);
-    if (check_slices(ids_src, n_ids, mask_src, n_mask, ic, mc, ia, ma, cut, n, width) < 0) goto done;
+    if (check_slices(ids_src, n_ids, mask_src, n_mask, ic, mc, ia, ma, cut, n, width, mask_size) < 0) goto done;
     uint8_t head[MAX_HEAD];
     static const char zeros[ALIGN] = {0};
     Py_ssize_t gap_len, head_len = encode_head(head, &gap_len, (uint64_t)epoch, (uint64_t)step, (uint64_t)rank, (uint64_t)bucket, fp, fp_len, n, width, real);
     out = copy_frame((const char *)head, head_len, zeros, gap_len, rows.buf, lens, ids_src, mask_src, ic, mc, ia,
-                     ma, cut, n, width, pad);
+                     ma, cut, n, width, pad, mask_size);
     if (out) result = Py_BuildValue("(OLn)", out, real, n);
 done:
     Py_XDECREF(out);

@@ -383,19 +383,6 @@ class Assembler:
         )
         # byte pieces go to the wire as they are (little-endian int32 ids, int8 masks)
         self._wire_bytes = self._byte_copy and sys.byteorder == "little"
-        slow = [
-            f"{name} is {dtype}"
-            for name, arrays, wire in ((TOKENS, self._ids, np.int32), (LOSS_MASK, self._mask, np.int8))
-            for dtype in sorted({str(a.dtype) for a in arrays if a.dtype != wire})
-        ]
-        if slow:  # datasets stores a loss_mask made of Python ints as int64: the common case
-            log.warning(
-                "dataset %s: %s; batches are converted row by row, about 16x the CPU of int32 ids "
-                "and an int8 mask (benchmarks/bench_assemble.py): cast before save_to_disk, e.g. "
-                "ds.cast_column('loss_mask', Sequence(Value('int8')))",
-                dataset.path,
-                " and ".join(slow),
-            )
         self._ids_bytes = [_byte_view(v) for v in self._ids]
         # what the compiled plan reads of each row: its offsets, and its chunks' first rows and deltas
         self._tables = (
@@ -406,6 +393,34 @@ class Assembler:
             self._mask_delta,
         )
         self._mask_bytes = [_byte_view(m) for m in self._mask]
+        # what the compiled one-call frame copies: int32 ids, and int8 masks or masks of one wider
+        # signed width (converted to int8 in C, a value outside int8 sent to the checked path)
+        self._build_masks: list[memoryview] | None = None
+        self._build_mask_size = 1
+        mask_types = {m.dtype for m in self._mask}
+        if self._wire_bytes:
+            self._build_masks = self._mask_bytes
+        elif (
+            sys.byteorder == "little"
+            and all(v.dtype == np.int32 for v in self._ids)
+            and len(mask_types) == 1
+            and next(iter(mask_types)) in (np.dtype(np.int16), np.dtype(np.int32), np.dtype(np.int64))
+        ):
+            self._build_masks = self._mask_bytes
+            self._build_mask_size = next(iter(mask_types)).itemsize
+        slow = [
+            f"{name} is {dtype}"
+            for name, arrays, wire in ((TOKENS, self._ids, np.int32), (LOSS_MASK, self._mask, np.int8))
+            for dtype in sorted({str(a.dtype) for a in arrays if a.dtype != wire})
+        ]
+        if slow and (_build is None or self._build_masks is None):  # else converted in C
+            log.warning(
+                "dataset %s: %s; batches are converted row by row, about 13x the CPU of int32 ids "
+                "and an int8 mask (benchmarks/bench_assemble.py): cast before save_to_disk, e.g. "
+                "ds.cast_column('loss_mask', Sequence(Value('int8')))",
+                dataset.path,
+                " and ".join(slow),
+            )
         self._pad_lock = threading.Lock()
         self._pad_rows: dict[int, memoryview] = {}
         self._pad_mask = _byte_view(np.zeros(_MIN_TOKEN_CAPACITY, dtype=np.int8))
@@ -514,7 +529,7 @@ class Assembler:
         either way (tested). Raises as ``pieces``, and ``WireFormatError`` as
         ``encode_batch_pieces``.
         """
-        if _build is not None and self._wire_bytes:
+        if _build is not None and self._build_masks is not None:
             self._check_files()  # before any token page is read
             try:  # plan, header and copy in one call: no Python between them
                 data, real_tokens, count = _build(
@@ -528,7 +543,8 @@ class Assembler:
                     pad_id,
                     *self._tables,
                     self._ids_bytes,
-                    self._mask_bytes,
+                    self._build_masks,
+                    self._build_mask_size,
                 )
                 return BatchFrame(data, real_tokens, count)
             except (TypeError, ValueError, OverflowError):

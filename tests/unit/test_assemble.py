@@ -299,7 +299,15 @@ def test_padding_wider_than_the_first_buffers(synth: TokenDataset) -> None:
 
 @pytest.mark.parametrize(
     ("token_type", "mask_type"),
-    [("int64", "int8"), ("int16", "uint8"), ("uint16", "int32"), ("int32", "int64"), ("int32", "uint8")],
+    [
+        ("int64", "int8"),
+        ("int16", "uint8"),
+        ("uint16", "int32"),
+        ("int32", "int64"),
+        ("int32", "int32"),
+        ("int32", "int16"),
+        ("int32", "uint8"),
+    ],
 )
 def test_other_integer_widths_are_converted(tmp_path: Path, token_type: str, mask_type: str) -> None:
     rng = np.random.default_rng(5)
@@ -316,6 +324,9 @@ def test_other_integer_widths_are_converted(tmp_path: Path, token_type: str, mas
     picks = np.array([0, 5, 29, 30, 31, 59])
     assert_matches(asm.assemble(picks, 40, pad_id=3), ds, picks, 40, pad_id=3)
     assert_pieces_match(asm, ds, picks, 40, pad_id=3)
+    assert_frame_matches(asm, picks, 40, pad_id=3)
+    if token_type == "int32" and assemble._build is not None:  # a wider mask is converted in C
+        assert asm._build_masks is not None, "int32 ids did not take the one-call frame"
 
 
 @pytest.mark.parametrize(
@@ -984,10 +995,19 @@ def test_columns_off_the_fast_path_are_named_in_a_warning(
 ) -> None:
     """A loss_mask of Python ints is int64 in datasets: every batch then took the slow path unannounced."""
     rows = [[1, 2, 3], [4, 5]]
+    wide = datasets.Features(
+        {
+            "input_ids": datasets.Sequence(datasets.Value("int64")),
+            "loss_mask": datasets.Sequence(datasets.Value("int64")),
+        }
+    )
     with caplog.at_level("WARNING", logger="ladle.server"):
+        Assembler(save(tmp_path / "wide", {"input_ids": rows, "loss_mask": [[1, 1, 1], [0, 1]]}, wide))
+    assert "input_ids is int64 and loss_mask is int64; batches are converted row by row" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="ladle.server"):  # datasets' default: int32 ids, int64 mask
         Assembler(save(tmp_path / "default", {"input_ids": rows, "loss_mask": [[1, 1, 1], [0, 1]]}))
-    assert "loss_mask is int64; batches are converted row by row" in caplog.text
-    assert "input_ids is" not in caplog.text  # datasets makes input_ids int32
+    assert ("converted row by row" in caplog.text) == (assemble._build is None), caplog.text
     caplog.clear()
     features = datasets.Features(
         {
@@ -998,3 +1018,27 @@ def test_columns_off_the_fast_path_are_named_in_a_warning(
     with caplog.at_level("WARNING", logger="ladle.server"):
         Assembler(save(tmp_path / "fast", {"input_ids": rows, "loss_mask": [[1, 1, 1], [0, 1]]}, features))
     assert not caplog.text
+
+
+@pytest.mark.parametrize("mask_type", ["int16", "int32", "int64"])
+def test_a_wide_mask_is_converted_in_c_byte_for_byte(tmp_path: Path, mask_type: str) -> None:
+    """Every int8 value (-128..127) survives the conversion; one outside is a DatasetError naming its row."""
+    rng = np.random.default_rng(11)
+    rows = [rng.integers(1, 30_000, size=int(rng.integers(1, 300))).tolist() for _ in range(40)]
+    masks = [rng.integers(-128, 128, size=len(r)).tolist() for r in rows]
+    masks[3][0], masks[4][-1] = -128, 127
+    features = datasets.Features(
+        {
+            "input_ids": datasets.Sequence(datasets.Value("int32")),
+            "loss_mask": datasets.Sequence(datasets.Value(mask_type)),
+        }
+    )
+    ds = save(tmp_path / "ds", {"input_ids": rows, "loss_mask": masks}, features, num_shards=3)
+    asm = Assembler(ds)
+    for picks in (np.arange(40), np.array([39, 3, 4, 0]), np.array([7])):
+        assert_frame_matches(asm, picks, 300, pad_id=5)
+        assert_matches(asm.assemble(picks, 300, pad_id=5), ds, picks, 300, pad_id=5)
+    masks[5][1] = 128
+    bad = save(tmp_path / "bad", {"input_ids": rows, "loss_mask": masks}, features)
+    with pytest.raises(DatasetError, match=r"row 5 of 'loss_mask' holds 128, outside int8"):
+        Assembler(bad).frame(np.array([2, 5]), 300, **FIELDS)
