@@ -209,39 +209,44 @@ WIDE_ROWS = 4_000
 
 
 def wide_columns(tmp: Path, repeat: int = 3) -> dict[str, Any]:
-    """``Assembler.frame`` over one epoch of the same rows: int32/int8, an int64 mask, int64 both.
+    """``Assembler.frame`` over one epoch of the same rows in other integer types than the wire's.
 
-    An int64 mask beside int32 ids (what ``datasets`` makes of a mask of
-    Python ints) is converted in the compiled frame; int64 ids take the
-    converting path in Python, whose range check (a value outside the wire's
-    int32 or int8 is refused, not wrapped) is timed on and off in the same run.
+    int32 ids and an int8 mask are copied as they are. Any other integer
+    type (an int64 mask: what ``datasets`` makes of a mask of Python ints;
+    uint16 or int64 ids) is converted in the compiled frame; the same int64
+    columns through the Python converting path (what a build without the
+    extension does), with its range check (a value outside the wire's int32
+    or int8 is refused, not wrapped) on and off, are the baseline in the
+    same run.
     """
     from ladle.service import assemble
     from ladle.service.dataset import open_dataset
 
     narrow = make_dataset(tmp / "narrow", WIDE_ROWS, seed=1)
-    wide_path = tmp / "wide"
-    features = datasets.Features(
-        {
-            TOKENS: datasets.Sequence(datasets.Value("int64")),
-            LOSS_MASK: datasets.Sequence(datasets.Value("int64")),
-        }
-    )
     datasets.disable_progress_bars()
     loaded = datasets.load_from_disk(str(tmp / "narrow")).select_columns([TOKENS, LOSS_MASK])
-    loaded.cast(features).save_to_disk(str(wide_path))
-    wide = open_dataset(wide_path)
-    mask_features = features.copy()
-    mask_features[TOKENS] = datasets.Sequence(datasets.Value("int32"))  # datasets' default for input_ids
-    loaded.cast(mask_features).save_to_disk(str(tmp / "wide_mask"))
-    wide_mask = open_dataset(tmp / "wide_mask")
+
+    def typed(name: str, ids: str, mask: str) -> TokenDataset:
+        features = datasets.Features(
+            {
+                TOKENS: datasets.Sequence(datasets.Value(ids)),
+                LOSS_MASK: datasets.Sequence(datasets.Value(mask)),
+            }
+        )
+        loaded.cast(features).save_to_disk(str(tmp / name))
+        return open_dataset(tmp / name)
+
+    wide_mask = typed("wide_mask", "int32", "int64")  # datasets' default: int32 input_ids
+    wide = typed("wide", "int64", "int64")
+    short_ids = typed("short_ids", "uint16", "int8")
     sched = build_schedule(narrow.lengths, ScheduleConfig(), world_size=1)
     jobs = [(sched.samples(s, 0), sched.padded_len(s, 0)) for s in range(sched.num_steps)]
-    check = assemble._Wide.check
+    check, build = assemble._Wide.check, assemble._build
 
-    def frames(asm: Assembler, checked: bool = True) -> Callable[[], None]:
+    def frames(asm: Assembler, python: bool = False, checked: bool = True) -> Callable[[], None]:
         def run() -> None:
             assemble._Wide.check = check if checked else (lambda self: None)  # type: ignore[method-assign]
+            assemble._build = None if python else build
             try:
                 for step, (rows, padded_len) in enumerate(jobs):
                     asm.frame(
@@ -249,14 +254,17 @@ def wide_columns(tmp: Path, repeat: int = 3) -> dict[str, Any]:
                     )
             finally:
                 assemble._Wide.check = check  # type: ignore[method-assign]
+                assemble._build = build
 
         return run
 
     cases = {
         "int32_int8": frames(Assembler(narrow)),
         "int32_int64_mask": frames(Assembler(wide_mask)),
-        "int64_checked": frames(Assembler(wide)),
-        "int64_unchecked": frames(Assembler(wide), checked=False),
+        "uint16_ids": frames(Assembler(short_ids)),
+        "int64_both": frames(Assembler(wide)),
+        "int64_python_checked": frames(Assembler(wide), python=True),
+        "int64_python_unchecked": frames(Assembler(wide), python=True, checked=False),
     }
     times: dict[str, list[float]] = {name: [] for name in cases}
     for run in cases.values():
@@ -270,10 +278,12 @@ def wide_columns(tmp: Path, repeat: int = 3) -> dict[str, Any]:
     return {
         "rows": WIDE_ROWS,
         "batches": len(jobs),
+        "compiled": build is not None,
         "cpu_us_per_batch": us,
-        "int64_vs_int32": round(us["int64_checked"] / us["int32_int8"], 2),
+        "int64_vs_int32": round(us["int64_both"] / us["int32_int8"], 2),
+        "int64_python_vs_compiled": round(us["int64_python_checked"] / us["int64_both"], 2),
         "int64_mask_vs_int8": round(us["int32_int64_mask"] / us["int32_int8"], 2),
-        "check_cost": round(us["int64_checked"] / us["int64_unchecked"], 2),
+        "check_cost": round(us["int64_python_checked"] / us["int64_python_unchecked"], 2),
     }
 
 
@@ -297,11 +307,12 @@ def summary(result: dict[str, Any]) -> str:
     wide = result["wide_columns"]
     us = wide["cpu_us_per_batch"]
     lines.append(
-        f"  Assembler.frame, {wide['batches']} batches of {wide['rows']:,} rows: int32/int8 columns "
-        f"{us['int32_int8']} us a batch; an int64 mask {us['int32_int64_mask']} us "
-        f"({wide['int64_mask_vs_int8']}x, converted in C); int64 both {us['int64_checked']} us "
-        f"({wide['int64_vs_int32']}x), "
-        f"{us['int64_unchecked']} us without the range check ({wide['check_cost']}x for the check)"
+        f"  Assembler.frame, {wide['batches']} batches of {wide['rows']:,} rows, us a batch: int32/int8 "
+        f"columns {us['int32_int8']}; converted in C: an int64 mask {us['int32_int64_mask']} "
+        f"({wide['int64_mask_vs_int8']}x), uint16 ids {us['uint16_ids']}, int64 both {us['int64_both']} "
+        f"({wide['int64_vs_int32']}x); int64 both in Python {us['int64_python_checked']} "
+        f"({wide['int64_python_vs_compiled']}x the C conversion), {us['int64_python_unchecked']} without "
+        f"the range check"
     )
     return "\n".join(lines)
 

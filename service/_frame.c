@@ -7,9 +7,10 @@
  * into it, then padded. Every slice is checked against its source buffer
  * before anything is copied; the copying runs without the GIL. Python falls
  * back to the pieces path when this extension was not built. `build` also
- * takes a mask of a wider signed type (int16, int32, int64: datasets stores a
- * mask of Python ints as int64) and converts it to int8 as it copies; a value
- * outside int8 raises OverflowError, and the checked path names its row.
+ * takes columns of any other integer type (a mask of Python ints is int64 in
+ * datasets; ids may be uint16, uint32 or int64) and converts them to the
+ * wire's int32 ids and int8 mask as it copies; a value outside the wire's
+ * type raises OverflowError, and the checked path names its row.
  *
  * `plan` works out, in one pass over a batch's rows, what `frame` needs of
  * each row (its length cut to the batch's width, the chunks and starts of its
@@ -31,6 +32,77 @@
 #endif
 
 #define MAX_CHUNKS 65536
+
+/* the conversion loops vectorized (gcc's -O2 leaves them scalar: uint16 ids 25 -> 19 us a batch) */
+#if defined(__GNUC__) && !defined(__clang__)
+#define VECTORIZED __attribute__((optimize("O3")))
+#else
+#define VECTORIZED
+#endif
+
+/* A column's integer type, as numpy spells it: 'i' or 'u' and the size in bytes (1, 2, 4 or 8). */
+typedef struct {
+    char sign;
+    int size;
+} Kind;
+
+static const Kind IDS_WIRE = {'i', 4}, MASK_WIRE = {'i', 1};
+
+static int same_kind(Kind a, Kind b) { return a.sign == b.sign && a.size == b.size; }
+
+static int parse_kind(const char *text, Kind *kind) {
+    if ((text[0] == 'i' || text[0] == 'u') && text[1] && strchr("1248", text[1]) && !text[2]) {
+        kind->sign = text[0];
+        kind->size = text[1] - '0';
+        return 0;
+    }
+    PyErr_Format(PyExc_ValueError, "build: a column kind is 'i' or 'u' and 1, 2, 4 or 8, got '%.20s'", text);
+    return -1;
+}
+
+/* n values of `kind` at src written to dst as DST_T; sets bad when one lies outside [LO, HI]
+   (a check that a narrow type cannot fail is always false, and the compiler drops it). */
+#if defined(__GNUC__)
+#pragma GCC diagnostic ignored "-Wtype-limits"
+#endif
+#define NARROW_SIGNED(SRC_T, DST_T, LO, HI)                                                   \
+    for (Py_ssize_t i = 0; i < n; i++) {                                                      \
+        SRC_T v;                                                                              \
+        memcpy(&v, src + i * (Py_ssize_t)sizeof(SRC_T), sizeof(SRC_T));                       \
+        bad |= ((int64_t)v < (LO)) | ((int64_t)v > (HI));                                     \
+        DST_T w = (DST_T)v;                                                                   \
+        memcpy(dst + i * (Py_ssize_t)sizeof(DST_T), &w, sizeof(DST_T));                       \
+    }
+#define NARROW_UNSIGNED(SRC_T, DST_T, HI)                                                     \
+    for (Py_ssize_t i = 0; i < n; i++) {                                                      \
+        SRC_T v;                                                                              \
+        memcpy(&v, src + i * (Py_ssize_t)sizeof(SRC_T), sizeof(SRC_T));                       \
+        bad |= (uint64_t)v > (uint64_t)(HI);                                                  \
+        DST_T w = (DST_T)v;                                                                   \
+        memcpy(dst + i * (Py_ssize_t)sizeof(DST_T), &w, sizeof(DST_T));                       \
+    }
+#define NARROW_ANY(DST_T, LO, HI)                                                             \
+    switch ((kind.sign == 'u' ? 16 : 0) + kind.size) {                                        \
+        case 1: NARROW_SIGNED(int8_t, DST_T, LO, HI) break;                                   \
+        case 2: NARROW_SIGNED(int16_t, DST_T, LO, HI) break;                                  \
+        case 4: NARROW_SIGNED(int32_t, DST_T, LO, HI) break;                                  \
+        case 8: NARROW_SIGNED(int64_t, DST_T, LO, HI) break;                                  \
+        case 17: NARROW_UNSIGNED(uint8_t, DST_T, HI) break;                                   \
+        case 18: NARROW_UNSIGNED(uint16_t, DST_T, HI) break;                                  \
+        case 20: NARROW_UNSIGNED(uint32_t, DST_T, HI) break;                                  \
+        default: NARROW_UNSIGNED(uint64_t, DST_T, HI) break;                                  \
+    }
+
+/* n values of `kind` copied to dst as the wire's type (int32 when wide, else int8): 1 if one does not fit. */
+VECTORIZED static int narrow(char *dst, const char *src, Kind kind, Py_ssize_t n, int wide) {
+    int bad = 0;
+    if (wide) {
+        NARROW_ANY(int32_t, INT32_MIN, INT32_MAX)
+    } else {
+        NARROW_ANY(int8_t, INT8_MIN, INT8_MAX)
+    }
+    return bad;
+}
 
 static void release_all(Py_buffer *views, Py_ssize_t n) {
     for (Py_ssize_t i = 0; i < n; i++) PyBuffer_Release(&views[i]);
@@ -67,11 +139,11 @@ static int take_all(PyObject *list, Py_buffer **views, Py_ssize_t *n, const char
 /* Check every row's slice against its chunk (before anything is copied); -1 with ValueError if one is outside. */
 static int check_slices(const Py_buffer *ids_src, Py_ssize_t n_ids, const Py_buffer *mask_src, Py_ssize_t n_mask,
                         const int64_t *ic, const int64_t *mc, const int64_t *ia, const int64_t *ma,
-                        const int64_t *n, Py_ssize_t rows, Py_ssize_t width, Py_ssize_t mask_size) {
+                        const int64_t *n, Py_ssize_t rows, Py_ssize_t width, Kind ids_kind, Kind mask_kind) {
     for (Py_ssize_t r = 0; r < rows; r++) {
         if (n[r] < 0 || n[r] > width || ic[r] < 0 || ic[r] >= n_ids || mc[r] < 0 || mc[r] >= n_mask ||
-            ia[r] < 0 || ma[r] < 0 || ia[r] > ids_src[ic[r]].len / 4 - n[r] ||
-            ma[r] > mask_src[mc[r]].len / mask_size - n[r]) {
+            ia[r] < 0 || ma[r] < 0 || ia[r] > ids_src[ic[r]].len / ids_kind.size - n[r] ||
+            ma[r] > mask_src[mc[r]].len / mask_kind.size - n[r]) {
             PyErr_Format(PyExc_ValueError, "frame: row %zd's slice lies outside its data chunk", r);
             return -1;
         }
@@ -84,22 +156,25 @@ static PyObject *copy_frame(const char *head, Py_ssize_t head_len, const char *g
                             const char *samples, const char *lens, const Py_buffer *ids_src,
                             const Py_buffer *mask_src, const int64_t *ic, const int64_t *mc, const int64_t *ia,
                             const int64_t *ma, const int64_t *n, Py_ssize_t rows, Py_ssize_t width, int pad,
-                            Py_ssize_t mask_size) {
+                            Kind ids_kind, Kind mask_kind) {
     Py_ssize_t tokens = rows * width;
     Py_ssize_t size = head_len + 4 * tokens + gap_len + 8 * rows + 4 * rows + tokens;
     PyObject *out = PyBytes_FromStringAndSize(NULL, size);
     if (!out) return NULL;
     char *at = PyBytes_AS_STRING(out);
-    Py_ssize_t bad_row = -1; /* a mask value outside int8 (mask_size > 1): the checked path names it */
+    /* a value outside the wire's type (a column converted): the checked path names its row */
+    Py_ssize_t bad_ids = -1, bad_mask = -1;
+    const Py_ssize_t ids_size = ids_kind.size, mask_size = mask_kind.size;
+    const int ids_copied = same_kind(ids_kind, IDS_WIRE), mask_copied = same_kind(mask_kind, MASK_WIRE);
     Py_BEGIN_ALLOW_THREADS
     /* The rows sit in the page cache, 4 KiB pages scattered in physical memory, and the
        hardware prefetcher stops at every page boundary: ask for every page of every slice
        first, so their misses overlap, then copy (the frame 53 -> 43 us in one process, its
        assembly in the server 96-106 -> 87-90 us; docs/serving.md). */
     for (Py_ssize_t r = 0; r < rows; r++) {
-        const char *src = (const char *)ids_src[ic[r]].buf + ia[r] * 4;
-        for (Py_ssize_t o = 0; o < n[r] * 4; o += PREFETCH_STRIDE) PREFETCH(src + o);
-        if (n[r]) PREFETCH(src + n[r] * 4 - 1); /* the last page, when the slice starts late in one */
+        const char *src = (const char *)ids_src[ic[r]].buf + ia[r] * ids_size;
+        for (Py_ssize_t o = 0; o < n[r] * ids_size; o += PREFETCH_STRIDE) PREFETCH(src + o);
+        if (n[r]) PREFETCH(src + n[r] * ids_size - 1); /* the last page, when the slice starts late in one */
         const char *msrc = (const char *)mask_src[mc[r]].buf + ma[r] * mask_size;
         for (Py_ssize_t o = 0; o < n[r] * mask_size; o += PREFETCH_STRIDE) PREFETCH(msrc + o);
         if (n[r]) PREFETCH(msrc + n[r] * mask_size - 1);
@@ -109,7 +184,12 @@ static PyObject *copy_frame(const char *head, Py_ssize_t head_len, const char *g
     uint8_t padb[4] = {(uint8_t)(pad & 0xff), (uint8_t)((pad >> 8) & 0xff), (uint8_t)((pad >> 16) & 0xff),
                        (uint8_t)((pad >> 24) & 0xff)};  /* little-endian int32 */
     for (Py_ssize_t r = 0; r < rows; r++) {
-        memcpy(at, (const char *)ids_src[ic[r]].buf + ia[r] * 4, (size_t)n[r] * 4);
+        const char *src = (const char *)ids_src[ic[r]].buf + ia[r] * ids_size;
+        if (ids_copied) {
+            memcpy(at, src, (size_t)n[r] * 4);
+        } else if (narrow(at, src, ids_kind, n[r], 1) && bad_ids < 0) {
+            bad_ids = r;
+        }
         char *p = at + n[r] * 4, *end = at + width * 4;
         if (pad == 0) {
             memset(p, 0, (size_t)(end - p));
@@ -126,36 +206,21 @@ static PyObject *copy_frame(const char *head, Py_ssize_t head_len, const char *g
     at += 4 * rows;
     for (Py_ssize_t r = 0; r < rows; r++) {
         const char *msrc = (const char *)mask_src[mc[r]].buf + ma[r] * mask_size;
-        if (mask_size == 1) {
+        if (mask_copied) {
             memcpy(at, msrc, (size_t)n[r]);
-        } else { /* a wider signed little-endian mask (datasets stores Python ints as int64) */
-            int64_t low = 0, high = 0;
-            for (Py_ssize_t i = 0; i < n[r]; i++) {
-                int64_t v;
-                if (mask_size == 8) {
-                    memcpy(&v, msrc + 8 * i, 8);
-                } else if (mask_size == 4) {
-                    int32_t w;
-                    memcpy(&w, msrc + 4 * i, 4);
-                    v = w;
-                } else {
-                    int16_t w;
-                    memcpy(&w, msrc + 2 * i, 2);
-                    v = w;
-                }
-                low = v < low ? v : low;
-                high = v > high ? v : high;
-                at[i] = (char)(int8_t)v;
-            }
-            if ((low < -128 || high > 127) && bad_row < 0) bad_row = r;
+        } else if (narrow(at, msrc, mask_kind, n[r], 0) && bad_mask < 0) {
+            bad_mask = r;
         }
         memset(at + n[r], 0, (size_t)(width - n[r]));
         at += width;
     }
     Py_END_ALLOW_THREADS
-    if (bad_row >= 0) {
+    if (bad_ids >= 0 || bad_mask >= 0) {
         Py_DECREF(out);
-        PyErr_Format(PyExc_OverflowError, "frame: row %zd's loss_mask holds a value outside int8", bad_row);
+        if (bad_ids >= 0)
+            PyErr_Format(PyExc_OverflowError, "frame: row %zd's input_ids hold a value outside int32", bad_ids);
+        else
+            PyErr_Format(PyExc_OverflowError, "frame: row %zd's loss_mask holds a value outside int8", bad_mask);
         return NULL;
     }
     return out;
@@ -195,9 +260,10 @@ static PyObject *frame(PyObject *self, PyObject *args) {
     if (take_all(mask_list, &mask_src, &n_mask, "mask_chunks") < 0) goto done;
     const int64_t *ic = ids_chunk.buf, *mc = mask_chunk.buf, *ia = ids_at.buf, *ma = mask_at.buf,
                   *n = cut.buf;
-    if (check_slices(ids_src, n_ids, mask_src, n_mask, ic, mc, ia, ma, n, rows, width, 1) < 0) goto done;
+    if (check_slices(ids_src, n_ids, mask_src, n_mask, ic, mc, ia, ma, n, rows, width, IDS_WIRE, MASK_WIRE) < 0)
+        goto done;
     out = copy_frame(head.buf, head.len, gap.buf, gap.len, samples.buf, lens.buf, ids_src, mask_src, ic, mc,
-                     ia, ma, n, rows, width, pad, 1);
+                     ia, ma, n, rows, width, pad, IDS_WIRE, MASK_WIRE);
 done:
     release_chunks(ids_src, n_ids, mask_src, n_mask);
     PyBuffer_Release(&head);
@@ -447,24 +513,26 @@ static int take_rows(PyObject *obj, Py_buffer *view) {
 
 /*
  * build(epoch, step, rank, bucket, fingerprint, rows, width, pad, offsets, ids_first, ids_delta,
- *       mask_first, mask_delta, ids_chunks, mask_chunks) -> (frame, real_tokens, rows)
+ *       mask_first, mask_delta, ids_chunks, mask_chunks[, ids_kind, mask_kind]) -> (frame, real_tokens, rows)
  *
  * `plan`, codec.batch_frame_head and `frame` in one call: the whole batch frame of `rows` (a 1-D
  * int64 array) with no Python in between. Raises TypeError, ValueError or OverflowError for
  * anything the checked path would refuse (Assembler.frame then takes that path, which names what
- * is wrong); the bytes are the checked path's (tested).
+ * is wrong); the bytes are the checked path's (tested). The kinds name the chunks' integer type
+ * ("i4" ids and "i1" masks by default, copied as they are; any other is converted, and a value
+ * outside the wire's int32 or int8 raises OverflowError).
  */
 static PyObject *build(PyObject *self, PyObject *args) {
     PyObject *epoch_o, *step_o, *rank_o, *bucket_o, *fp_o, *rows_o, *width_o, *pad_o, *ids_list, *mask_list;
     Tables t = {0};
-    Py_ssize_t mask_size = 1; /* bytes per mask value: 1 (int8), or 2, 4, 8 (signed, converted) */
-    if (!PyArg_ParseTuple(args, "OOOOUOOOy*y*y*y*y*OO|n", &epoch_o, &step_o, &rank_o, &bucket_o, &fp_o, &rows_o,
+    const char *ids_text = "i4", *mask_text = "i1";
+    Kind ids_kind, mask_kind;
+    if (!PyArg_ParseTuple(args, "OOOOUOOOy*y*y*y*y*OO|ss", &epoch_o, &step_o, &rank_o, &bucket_o, &fp_o, &rows_o,
                           &width_o, &pad_o, &t.offsets, &t.ids_first, &t.ids_delta, &t.mask_first,
-                          &t.mask_delta, &ids_list, &mask_list, &mask_size))
+                          &t.mask_delta, &ids_list, &mask_list, &ids_text, &mask_text))
         return NULL;
-    if (mask_size != 1 && mask_size != 2 && mask_size != 4 && mask_size != 8) {
+    if (parse_kind(ids_text, &ids_kind) < 0 || parse_kind(mask_text, &mask_kind) < 0) {
         release_tables(&t);
-        PyErr_SetString(PyExc_ValueError, "build: mask_size must be 1, 2, 4 or 8");
         return NULL;
     }
     Py_buffer rows = {0};
@@ -504,12 +572,13 @@ static PyObject *build(PyObject *self, PyObject *args) {
     if (take_all(mask_list, &mask_src, &n_mask, "mask_chunks") < 0) goto done;
     const int64_t *cut = (const int64_t *)plan_buf, *ic = cut + n, *mc = ic + n, *ia = mc + n, *ma = ia + n;
     const char *lens = (const char *)(ma + n);
-    if (check_slices(ids_src, n_ids, mask_src, n_mask, ic, mc, ia, ma, cut, n, width, mask_size) < 0) goto done;
+    if (check_slices(ids_src, n_ids, mask_src, n_mask, ic, mc, ia, ma, cut, n, width, ids_kind, mask_kind) < 0)
+        goto done;
     uint8_t head[MAX_HEAD];
     static const char zeros[ALIGN] = {0};
     Py_ssize_t gap_len, head_len = encode_head(head, &gap_len, (uint64_t)epoch, (uint64_t)step, (uint64_t)rank, (uint64_t)bucket, fp, fp_len, n, width, real);
     out = copy_frame((const char *)head, head_len, zeros, gap_len, rows.buf, lens, ids_src, mask_src, ic, mc, ia,
-                     ma, cut, n, width, pad, mask_size);
+                     ma, cut, n, width, pad, ids_kind, mask_kind);
     if (out) result = Py_BuildValue("(OLn)", out, real, n);
 done:
     Py_XDECREF(out);

@@ -156,6 +156,17 @@ def _check_fits(
         )
 
 
+def _kind_of(chunks: list[npt.NDArray[Any]]) -> str | None:
+    """The chunks' one integer type as ``_frame.build`` names it ("i4", "u2", ...), else None."""
+    dtypes = {c.dtype for c in chunks}
+    if len(dtypes) != 1:
+        return None
+    dtype = dtypes.pop()
+    if dtype.kind not in "iu" or not dtype.isnative:
+        return None
+    return f"{dtype.kind}{dtype.itemsize}"
+
+
 def _byte_view(array: npt.NDArray[Any]) -> memoryview:
     """The bytes of a 1-D contiguous array, without a copy."""
     return array.data.cast("B")
@@ -393,30 +404,23 @@ class Assembler:
             self._mask_delta,
         )
         self._mask_bytes = [_byte_view(m) for m in self._mask]
-        # what the compiled one-call frame copies: int32 ids, and int8 masks or masks of one wider
-        # signed width (converted to int8 in C, a value outside int8 sent to the checked path)
-        self._build_masks: list[memoryview] | None = None
-        self._build_mask_size = 1
-        mask_types = {m.dtype for m in self._mask}
-        if self._wire_bytes:
-            self._build_masks = self._mask_bytes
-        elif (
-            sys.byteorder == "little"
-            and all(v.dtype == np.int32 for v in self._ids)
-            and len(mask_types) == 1
-            and next(iter(mask_types)) in (np.dtype(np.int16), np.dtype(np.int32), np.dtype(np.int64))
-        ):
-            self._build_masks = self._mask_bytes
-            self._build_mask_size = next(iter(mask_types)).itemsize
+        # what the compiled one-call frame reads: each column's chunks of one integer type ("i4" ids and
+        # "i1" masks are copied as they are, any other converted in C, a value outside the wire's type
+        # sent to the checked path, which names its row)
+        ids_kind, mask_kind = _kind_of(self._ids), _kind_of(self._mask)
+        self._build_kinds: tuple[str, str] | None = None
+        if sys.byteorder == "little" and ids_kind is not None and mask_kind is not None:
+            self._build_kinds = (ids_kind, mask_kind)
         slow = [
             f"{name} is {dtype}"
             for name, arrays, wire in ((TOKENS, self._ids, np.int32), (LOSS_MASK, self._mask, np.int8))
             for dtype in sorted({str(a.dtype) for a in arrays if a.dtype != wire})
         ]
-        if slow and (_build is None or self._build_masks is None):  # else converted in C
+        if slow and (_build is None or self._build_kinds is None):  # else converted in C
             log.warning(
-                "dataset %s: %s; batches are converted row by row, about 13x the CPU of int32 ids "
-                "and an int8 mask (benchmarks/bench_assemble.py): cast before save_to_disk, e.g. "
+                "dataset %s: %s; batches are converted row by row in Python (the compiled frame, "
+                "service/_frame.c, is not built), about 10x the CPU of int32 ids and an int8 mask "
+                "(benchmarks/bench_assemble.py): cast before save_to_disk, e.g. "
                 "ds.cast_column('loss_mask', Sequence(Value('int8')))",
                 dataset.path,
                 " and ".join(slow),
@@ -529,7 +533,7 @@ class Assembler:
         either way (tested). Raises as ``pieces``, and ``WireFormatError`` as
         ``encode_batch_pieces``.
         """
-        if _build is not None and self._build_masks is not None:
+        if _build is not None and self._build_kinds is not None:
             self._check_files()  # before any token page is read
             try:  # plan, header and copy in one call: no Python between them
                 data, real_tokens, count = _build(
@@ -543,8 +547,8 @@ class Assembler:
                     pad_id,
                     *self._tables,
                     self._ids_bytes,
-                    self._build_masks,
-                    self._build_mask_size,
+                    self._mask_bytes,
+                    *self._build_kinds,
                 )
                 return BatchFrame(data, real_tokens, count)
             except (TypeError, ValueError, OverflowError):

@@ -325,8 +325,8 @@ def test_other_integer_widths_are_converted(tmp_path: Path, token_type: str, mas
     assert_matches(asm.assemble(picks, 40, pad_id=3), ds, picks, 40, pad_id=3)
     assert_pieces_match(asm, ds, picks, 40, pad_id=3)
     assert_frame_matches(asm, picks, 40, pad_id=3)
-    if token_type == "int32" and assemble._build is not None:  # a wider mask is converted in C
-        assert asm._build_masks is not None, "int32 ids did not take the one-call frame"
+    if assemble._build is not None:  # every integer type is converted in C
+        assert asm._build_kinds is not None, f"{token_type} ids did not take the one-call frame"
 
 
 @pytest.mark.parametrize(
@@ -336,6 +336,9 @@ def test_other_integer_widths_are_converted(tmp_path: Path, token_type: str, mas
         ("int64", "int8", -(2**31) - 1, 1, "input_ids"),
         ("uint32", "int8", 3_000_000_000, 1, "input_ids"),
         ("uint64", "int8", 2**40, 1, "input_ids"),
+        ("uint64", "int8", 2**63 + 5, 1, "input_ids"),  # beyond int64 as well
+        ("int64", "int64", 2**31, 1, "input_ids"),  # both columns converted, the ids named
+        ("uint16", "int32", 7, 128, "loss_mask"),
         ("int32", "int64", 7, 256, "loss_mask"),
         ("int32", "int16", 7, -129, "loss_mask"),
     ],
@@ -352,7 +355,11 @@ def test_values_that_do_not_fit_the_wire_are_refused_not_wrapped(
             "loss_mask": datasets.Sequence(datasets.Value(mask_type)),
         }
     )
-    ds = save(tmp_path / "ds", {"input_ids": rows, "loss_mask": masks}, features)
+    typed = {  # numpy rows: pyarrow cannot infer a Python int beyond int64
+        "input_ids": [np.array(r, dtype=token_type) for r in rows],
+        "loss_mask": [np.array(m, dtype=mask_type) for m in masks],
+    }
+    ds = save(tmp_path / "ds", typed, features)
     asm = Assembler(ds)
     fine = np.array([0, 2])
     assert_matches(asm.assemble(fine, 4), ds, fine, 4)  # the other rows still serve
@@ -991,9 +998,12 @@ def test_the_one_call_frame_refuses_or_converts_as_the_checked_one(
 
 
 def test_columns_off_the_fast_path_are_named_in_a_warning(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A loss_mask of Python ints is int64 in datasets: every batch then took the slow path unannounced."""
+    """A loss_mask of Python ints is int64 in datasets: every batch then took the slow path unannounced.
+
+    The compiled frame converts every integer type, so only a build without it warns.
+    """
     rows = [[1, 2, 3], [4, 5]]
     wide = datasets.Features(
         {
@@ -1001,23 +1011,89 @@ def test_columns_off_the_fast_path_are_named_in_a_warning(
             "loss_mask": datasets.Sequence(datasets.Value("int64")),
         }
     )
-    with caplog.at_level("WARNING", logger="ladle.server"):
-        Assembler(save(tmp_path / "wide", {"input_ids": rows, "loss_mask": [[1, 1, 1], [0, 1]]}, wide))
-    assert "input_ids is int64 and loss_mask is int64; batches are converted row by row" in caplog.text
-    caplog.clear()
-    with caplog.at_level("WARNING", logger="ladle.server"):  # datasets' default: int32 ids, int64 mask
-        Assembler(save(tmp_path / "default", {"input_ids": rows, "loss_mask": [[1, 1, 1], [0, 1]]}))
-    assert ("converted row by row" in caplog.text) == (assemble._build is None), caplog.text
-    caplog.clear()
+    wide_ds = save(tmp_path / "wide", {"input_ids": rows, "loss_mask": [[1, 1, 1], [0, 1]]}, wide)
+    default_ds = save(tmp_path / "default", {"input_ids": rows, "loss_mask": [[1, 1, 1], [0, 1]]})
     features = datasets.Features(
         {
             "input_ids": datasets.Sequence(datasets.Value("int32")),
             "loss_mask": datasets.Sequence(datasets.Value("uint8")),
         }
     )
-    with caplog.at_level("WARNING", logger="ladle.server"):
-        Assembler(save(tmp_path / "fast", {"input_ids": rows, "loss_mask": [[1, 1, 1], [0, 1]]}, features))
-    assert not caplog.text
+    fast_ds = save(tmp_path / "fast", {"input_ids": rows, "loss_mask": [[1, 1, 1], [0, 1]]}, features)
+    for build in (assemble._build, None):
+        monkeypatch.setattr(assemble, "_build", build)
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="ladle.server"):
+            Assembler(wide_ds)
+        expected = "input_ids is int64 and loss_mask is int64; batches are converted row by row"
+        assert (expected in caplog.text) == (build is None), caplog.text
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="ladle.server"):  # datasets' default: int32 ids, int64 mask
+            Assembler(default_ds)
+        assert ("loss_mask is int64; batches are converted row by row" in caplog.text) == (build is None)
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="ladle.server"):
+            Assembler(fast_ds)
+        assert not caplog.text
+
+
+@pytest.mark.skipif(assemble._build is None, reason="the compiled frame is not built")
+@pytest.mark.parametrize(
+    ("token_type", "mask_type"),
+    [
+        ("int8", "int8"),
+        ("uint8", "int8"),
+        ("int16", "int8"),
+        ("uint16", "int8"),  # nanoGPT-style ids of a vocabulary under 65,536
+        ("uint32", "int8"),
+        ("int64", "int8"),  # numpy's and pandas' default
+        ("uint64", "int8"),
+        ("int64", "int64"),  # Python ints in both columns through Dataset.from_pandas or a cast
+        ("uint16", "uint8"),
+    ],
+)
+def test_ids_of_every_integer_type_are_converted_in_c_byte_for_byte(
+    tmp_path: Path, token_type: str, mask_type: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The one-call frame converts the ids itself (no fallback to the checked path), extremes included."""
+    info = np.iinfo(np.dtype(token_type))
+    low, high = max(int(info.min), -(2**31)), min(int(info.max), 2**31 - 1)
+    rng = np.random.default_rng(12)
+    sizes = rng.integers(1, 300, size=40)
+    rows = [rng.integers(low, high, size=int(n), endpoint=True).tolist() for n in sizes]
+    rows[3][0], rows[4][-1] = low, high
+    masks = [rng.integers(0, 2, size=len(r)).tolist() for r in rows]
+    features = datasets.Features(
+        {
+            "input_ids": datasets.Sequence(datasets.Value(token_type)),
+            "loss_mask": datasets.Sequence(datasets.Value(mask_type)),
+        }
+    )
+    ds = save(tmp_path / "ds", {"input_ids": rows, "loss_mask": masks}, features, num_shards=3)
+    asm = Assembler(ds)
+    assert asm._build_kinds is not None, "the columns did not take the one-call frame"
+    cases = (np.arange(40), np.array([39, 3, 4, 0]), np.array([7]))
+    expected = []
+    for picks in cases:
+        assert_matches(asm.assemble(picks, 300, pad_id=5), ds, picks, 300, pad_id=5)
+        pieces = asm.pieces(picks, 300, 5)
+        joined = codec.encode_batch_pieces(
+            padded_len=300,
+            input_ids=pieces.input_ids,
+            loss_mask=pieces.loss_mask,
+            lengths=pieces.lengths,
+            sample_ids=pieces.sample_ids,
+            **FIELDS,
+        )
+        expected.append(joined)
+
+    def no_fallback(*_args: Any, **_kwargs: Any) -> Any:
+        raise AssertionError("the frame fell back to the checked path")
+
+    monkeypatch.setattr(asm, "pieces", no_fallback)
+    monkeypatch.setattr(asm, "_checked", no_fallback)
+    for picks, joined in zip(cases, expected, strict=True):
+        assert asm.frame(picks, 300, pad_id=5, **FIELDS).data == joined
 
 
 @pytest.mark.parametrize("mask_type", ["int16", "int32", "int64"])
