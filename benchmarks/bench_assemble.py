@@ -239,6 +239,7 @@ def wide_columns(tmp: Path, repeat: int = 3) -> dict[str, Any]:
     wide_mask = typed("wide_mask", "int32", "int64")  # datasets' default: int32 input_ids
     wide = typed("wide", "int64", "int64")
     short_ids = typed("short_ids", "uint16", "int8")
+    byte_mask = typed("byte_mask", "int32", "uint8")
     sched = build_schedule(narrow.lengths, ScheduleConfig(), world_size=1)
     jobs = [(sched.samples(s, 0), sched.padded_len(s, 0)) for s in range(sched.num_steps)]
     check, build = assemble._Wide.check, assemble._build
@@ -262,6 +263,7 @@ def wide_columns(tmp: Path, repeat: int = 3) -> dict[str, Any]:
         "int32_int8": frames(Assembler(narrow)),
         "int32_int64_mask": frames(Assembler(wide_mask)),
         "uint16_ids": frames(Assembler(short_ids)),
+        "uint8_mask": frames(Assembler(byte_mask)),
         "int64_both": frames(Assembler(wide)),
         "int64_python_checked": frames(Assembler(wide), python=True),
         "int64_python_unchecked": frames(Assembler(wide), python=True, checked=False),
@@ -309,7 +311,8 @@ def summary(result: dict[str, Any]) -> str:
     lines.append(
         f"  Assembler.frame, {wide['batches']} batches of {wide['rows']:,} rows, us a batch: int32/int8 "
         f"columns {us['int32_int8']}; converted in C: an int64 mask {us['int32_int64_mask']} "
-        f"({wide['int64_mask_vs_int8']}x), uint16 ids {us['uint16_ids']}, int64 both {us['int64_both']} "
+        f"({wide['int64_mask_vs_int8']}x), uint16 ids {us['uint16_ids']}, a uint8 mask {us['uint8_mask']}, "
+        f"int64 both {us['int64_both']} "
         f"({wide['int64_vs_int32']}x); int64 both in Python {us['int64_python_checked']} "
         f"({wide['int64_python_vs_compiled']}x the C conversion), {us['int64_python_unchecked']} without "
         f"the range check"

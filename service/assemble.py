@@ -363,9 +363,9 @@ class Assembler:
     what ``datasets`` stores Python ints as) has each row it copies checked,
     so a token id that does not fit is a ``DatasetError`` naming the row, not
     a wrapped id (only the rows served are read: no start-up scan).
-    ``loss_mask`` is emitted as int8: int8 and uint8 columns (0/1 masks, e.g.
-    booleans stored as uint8) are copied byte for byte, other integer widths
-    are cast the same way as tokens and checked the same way against int8. Boolean
+    ``loss_mask`` is emitted as int8: int8 columns are copied byte for byte,
+    other integer types (uint8 included) are cast the same way as tokens and
+    checked the same way against int8. Boolean
     Arrow columns (bit-packed, no zero-copy view) are refused with
     ``DatasetError``, as ``open_dataset`` refuses them.
     """
@@ -382,9 +382,8 @@ class Assembler:
         ids_chunks = _list_chunks(table, TOKENS, self.num_rows)
         mask_chunks = _list_chunks(table, LOSS_MASK, self.num_rows)
         self._ids, self._ids_first_rows, self._ids_delta = _chunk_views(TOKENS, ids_chunks, offsets)
-        mask, self._mask_first_rows, self._mask_delta = _chunk_views(LOSS_MASK, mask_chunks, offsets)
-        # uint8 0/1 masks are int8 0/1 masks: reinterpret the bytes instead of casting per batch
-        self._mask = [m.view(np.int8) if m.dtype == np.uint8 else m for m in mask]
+        # a uint8 mask is converted and checked like any other type: a weight of 200 is not sent as -56
+        self._mask, self._mask_first_rows, self._mask_delta = _chunk_views(LOSS_MASK, mask_chunks, offsets)
         self._same_chunks = np.array_equal(self._ids_first_rows, self._mask_first_rows)
         # chunks whose dtype holds values the wire's int32 ids / int8 masks cannot: rows checked
         self._ids_wide = [not np.can_cast(v.dtype, np.int32) for v in self._ids]

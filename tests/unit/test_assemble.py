@@ -339,6 +339,7 @@ def test_other_integer_widths_are_converted(tmp_path: Path, token_type: str, mas
         ("uint64", "int8", 2**63 + 5, 1, "input_ids"),  # beyond int64 as well
         ("int64", "int64", 2**31, 1, "input_ids"),  # both columns converted, the ids named
         ("uint16", "int32", 7, 128, "loss_mask"),
+        ("int32", "uint8", 7, 200, "loss_mask"),  # was sent as -56
         ("int32", "int64", 7, 256, "loss_mask"),
         ("int32", "int16", 7, -129, "loss_mask"),
     ],
@@ -1016,7 +1017,7 @@ def test_columns_off_the_fast_path_are_named_in_a_warning(
     features = datasets.Features(
         {
             "input_ids": datasets.Sequence(datasets.Value("int32")),
-            "loss_mask": datasets.Sequence(datasets.Value("uint8")),
+            "loss_mask": datasets.Sequence(datasets.Value("int8")),
         }
     )
     fast_ds = save(tmp_path / "fast", {"input_ids": rows, "loss_mask": [[1, 1, 1], [0, 1]]}, features)
