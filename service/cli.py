@@ -107,7 +107,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=7 * 86400.0,
         metavar="SECONDS",
-        help="Redis forgets a job nobody touched for this long; 0 keeps jobs forever (default: 7 days)",
+        help="the cursor store forgets a job nobody touched for this long; 0 keeps jobs forever "
+        "(default: 7 days)",
     )
     serve.add_argument(
         "--ack-flush-ms",

@@ -47,9 +47,8 @@ def __getattr__(name: str) -> Any:
 def open_store(*, redis_url: str | None, state_path: str | Path, job_ttl_s: float) -> CursorStore:
     """The server's store: Redis at ``redis_url`` if one is given, else the embedded file ``state_path``.
 
-    ``job_ttl_s`` is how long Redis keeps a job nobody touches (0: forever);
-    the embedded store keeps jobs until they are deleted and ignores it. The
-    embedded file's folder is created if needed.
+    ``job_ttl_s`` is how long either store keeps a job nobody writes to (0:
+    forever). The embedded file's folder is created if needed.
     """
     if redis_url:
         from .redis import RedisCursorStore
@@ -57,4 +56,4 @@ def open_store(*, redis_url: str | None, state_path: str | Path, job_ttl_s: floa
         return RedisCursorStore(redis_url, job_ttl_s=job_ttl_s)
     path = Path(state_path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    return EmbeddedStore(path)
+    return EmbeddedStore(path, job_ttl_s=job_ttl_s)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import abc
 import json
+import math
 import re
 import secrets
 import time
@@ -78,6 +79,18 @@ def validate_job_name(job: object) -> str:
     if not isinstance(job, str) or _JOB_NAME.fullmatch(job) is None:
         raise ConfigError("job", f"must be {JOB_NAME_RULE}, got {job!r}")
     return job
+
+
+def check_job_ttl(value: object) -> float:
+    """``value`` as a job time-to-live in seconds (0: jobs are kept forever), else ``ConfigError``."""
+    if (
+        not isinstance(value, int | float)
+        or isinstance(value, bool)
+        or not math.isfinite(value)
+        or value < 0
+    ):
+        raise ConfigError("job_ttl_s", f"must be a number of seconds >= 0 (0: never), got {value!r}")
+    return float(value)
 
 
 def _check_fingerprint(field: str, value: object) -> None:

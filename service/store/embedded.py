@@ -7,6 +7,11 @@ thousands of operations a second on one disk, far above what trainers
 acknowledge) and the file must be on a local filesystem (WAL needs shared
 memory, so NFS and similar mounts are not supported).
 
+A job nobody writes to for ``job_ttl_s`` seconds is gone: every write stores
+the job's expiry time with it (as Redis's key TTL is set by the writer, so
+every reader agrees on it), reads no longer see an expired job, and the next
+write to it, or the next ``open_job`` of any job, deletes its rows.
+
 Durability: with ``synchronous=NORMAL`` in WAL mode a committed operation
 survives the crash or kill of any process, but a power loss or OS crash may
 lose the last transactions committed before it (never corrupting the file): the
@@ -39,6 +44,7 @@ from .base import (
     check_forward,
     check_generation,
     check_identity,
+    check_job_ttl,
     new_incarnation,
     plan_from_json,
     plan_to_json,
@@ -49,7 +55,7 @@ from .base import (
 __all__ = ["SCHEMA_VERSION", "EmbeddedStore"]
 
 # Stored in PRAGMA user_version; bump with a migration in ``_migrate``.
-SCHEMA_VERSION: Final = 2
+SCHEMA_VERSION: Final = 3
 
 _SCHEMA: Final = (
     """
@@ -61,7 +67,8 @@ _SCHEMA: Final = (
         created REAL NOT NULL,
         updated REAL NOT NULL,
         incarnation TEXT NOT NULL,
-        plan TEXT NOT NULL
+        plan TEXT NOT NULL,
+        expires REAL NOT NULL DEFAULT 0
     ) WITHOUT ROWID
     """,
     """
@@ -85,6 +92,8 @@ _MIGRATE_1_TO_2: Final = (
     "ALTER TABLE jobs ADD COLUMN incarnation TEXT NOT NULL DEFAULT ''",
     "ALTER TABLE jobs ADD COLUMN plan TEXT NOT NULL DEFAULT '[]'",
 )
+# Version 2 had no expiry: the jobs it holds never expire until written again.
+_MIGRATE_2_TO_3: Final = ("ALTER TABLE jobs ADD COLUMN expires REAL NOT NULL DEFAULT 0",)
 _RANK_COLUMNS: Final = "rank, epoch, step, generation, last_seen"
 
 _JobRow = tuple[str, str, str, int, float, float, str, str]
@@ -117,7 +126,9 @@ class EmbeddedStore(CursorStore):
     file's write lock, then get ``StoreUnavailableError``. The file is created
     (not its directory) and its schema checked on construction, so a bad path
     fails at once. A store object used in a forked child reconnects there
-    instead of sharing the parent's connection.
+    instead of sharing the parent's connection. ``job_ttl_s`` (0: forever,
+    the default here; ``open_store`` passes the server's ``--job-ttl``) is how
+    long a job nobody writes to is kept.
     """
 
     def __init__(
@@ -126,8 +137,10 @@ class EmbeddedStore(CursorStore):
         *,
         clock: Clock = time.time,
         busy_timeout_s: float = 10.0,
+        job_ttl_s: float = 0.0,
     ) -> None:
         super().__init__(clock=clock)
+        self.job_ttl_s = check_job_ttl(job_ttl_s)
         self.path = os.fspath(path)
         if self.path in ("", ":memory:") or self.path.startswith("file:"):
             raise StoreError(
@@ -206,11 +219,14 @@ class EmbeddedStore(CursorStore):
                     )
                 for statement in _SCHEMA:
                     db.execute(statement)
-            elif version == 1:
+            if version == 1:
                 for statement in _MIGRATE_1_TO_2:
                     db.execute(statement)
                 for (job,) in db.execute("SELECT job FROM jobs").fetchall():
                     db.execute("UPDATE jobs SET incarnation = ? WHERE job = ?", (new_incarnation(), job))
+            if version in (1, 2):
+                for statement in _MIGRATE_2_TO_3:
+                    db.execute(statement)
             db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
             db.execute("COMMIT")
         except BaseException:
@@ -247,10 +263,29 @@ class EmbeddedStore(CursorStore):
 
     # --- the hooks, one transaction each -----------------------------------
 
+    def _expires(self, now: float) -> float:
+        """The expiry a write at ``now`` gives its job: ``job_ttl_s`` later, or 0 (never)."""
+        return now + self.job_ttl_s if self.job_ttl_s > 0 else 0.0
+
     @staticmethod
-    def _job_row(db: sqlite3.Connection, job: str) -> _JobRow | None:
-        row: _JobRow | None = db.execute(f"SELECT {_JOB_COLUMNS} FROM jobs WHERE job = ?", (job,)).fetchone()
-        return row
+    def _expired(expires: float, now: float) -> bool:
+        return 0 < expires <= now
+
+    def _job_row(self, db: sqlite3.Connection, job: str, now: float, *, write: bool) -> _JobRow | None:
+        """The job's row; None if there is none or it expired (its rows then deleted, in a write)."""
+        found = db.execute(f"SELECT {_JOB_COLUMNS}, expires FROM jobs WHERE job = ?", (job,)).fetchone()
+        if found is None or not self._expired(found[-1], now):
+            return None if found is None else found[:-1]
+        if write:
+            self._delete(db, job)
+        return None
+
+    @staticmethod
+    def _sweep(db: sqlite3.Connection, now: float) -> None:
+        """Delete every expired job (inside a write)."""
+        expired = "expires > 0 AND expires <= ?"
+        db.execute(f"DELETE FROM ranks WHERE job IN (SELECT job FROM jobs WHERE {expired})", (now,))
+        db.execute(f"DELETE FROM jobs WHERE {expired}", (now,))
 
     @staticmethod
     def _rank_rows(db: sqlite3.Connection, job: str) -> list[_RankRow]:
@@ -264,7 +299,8 @@ class EmbeddedStore(CursorStore):
     ) -> JobState:
         with self._transaction(write=True) as db:
             now = self._now()
-            row = self._job_row(db, spec.job)
+            self._sweep(db, now)
+            row = self._job_row(db, spec.job, now, write=True)
             if row is not None and reset:
                 self._delete(db, spec.job)
                 row = None
@@ -272,7 +308,7 @@ class EmbeddedStore(CursorStore):
                 check_identity(_job_state(row, []).spec, spec)
                 return _job_state(row, self._rank_rows(db, spec.job))
             db.execute(
-                f"INSERT INTO jobs ({_JOB_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                f"INSERT INTO jobs ({_JOB_COLUMNS}, expires) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (
                     spec.job,
                     spec.dataset_fingerprint,
@@ -282,6 +318,7 @@ class EmbeddedStore(CursorStore):
                     now,
                     incarnation,
                     plan_to_json(plan),
+                    self._expires(now),
                 ),
             )
             self._insert_ranks(db, spec.job, spec.world_size, Position(0, 0), 0, now)
@@ -302,7 +339,7 @@ class EmbeddedStore(CursorStore):
     ) -> JobState:
         with self._transaction(write=True) as db:
             now = self._now()
-            row = self._job_row(db, job)
+            row = self._job_row(db, job, now, write=True)
             if row is None:
                 raise JobNotFoundError(job)
             state = _job_state(row, self._rank_rows(db, job))
@@ -318,15 +355,18 @@ class EmbeddedStore(CursorStore):
             db.execute("DELETE FROM ranks WHERE job = ?", (job,))
             self._insert_ranks(db, job, to_world_size, start, generation, now)
             db.execute(
-                "UPDATE jobs SET world_size = ?, plan = ?, updated = ? WHERE job = ?",
-                (to_world_size, plan_to_json(plan), now, job),
+                "UPDATE jobs SET world_size = ?, plan = ?, updated = ?, expires = ? WHERE job = ?",
+                (to_world_size, plan_to_json(plan), now, self._expires(now), job),
             )
-            return _job_state(self._job_row(db, job) or row, self._rank_rows(db, job))
+            return _job_state(self._job_row(db, job, now, write=True) or row, self._rank_rows(db, job))
 
     def _join(self, job: str, rank: int, world_size: int) -> RankState:
         with self._transaction(write=True) as db:
             now = self._now()
-            row = db.execute("SELECT world_size FROM jobs WHERE job = ?", (job,)).fetchone()
+            row = db.execute("SELECT world_size, expires FROM jobs WHERE job = ?", (job,)).fetchone()
+            if row is not None and self._expired(row[1], now):
+                self._delete(db, job)
+                row = None
             if row is None:
                 raise JobNotFoundError(job)
             if row[0] != world_size:
@@ -336,7 +376,9 @@ class EmbeddedStore(CursorStore):
                 f"WHERE job = ? AND rank = ? RETURNING {_RANK_COLUMNS}",
                 (now, job, rank),
             ).fetchall()
-            db.execute("UPDATE jobs SET updated = ? WHERE job = ?", (now, job))
+            db.execute(
+                "UPDATE jobs SET updated = ?, expires = ? WHERE job = ?", (now, self._expires(now), job)
+            )
             return _rank_state(updated)
 
     def _move(
@@ -345,13 +387,16 @@ class EmbeddedStore(CursorStore):
         with self._transaction(write=True) as db:
             now = self._now()
             row = db.execute(
-                "SELECT j.world_size, r.epoch, r.step, r.generation FROM jobs AS j "
+                "SELECT j.world_size, r.epoch, r.step, r.generation, j.expires FROM jobs AS j "
                 "LEFT JOIN ranks AS r ON r.job = j.job AND r.rank = ? WHERE j.job = ?",
                 (rank, job),
             ).fetchone()
+            if row is not None and self._expired(row[4], now):
+                self._delete(db, job)
+                row = None
             if row is None:
                 raise JobNotFoundError(job)
-            world_size, epoch, step, current = row
+            world_size, epoch, step, current, _ = row
             if current is None:
                 raise rank_outside(rank, world_size)
             if restore:
@@ -366,7 +411,9 @@ class EmbeddedStore(CursorStore):
                 "WHERE job = ? AND rank = ?",
                 (to.epoch, to.step, generation, now, job, rank),
             )
-            db.execute("UPDATE jobs SET updated = ? WHERE job = ?", (now, job))
+            db.execute(
+                "UPDATE jobs SET updated = ?, expires = ? WHERE job = ?", (now, self._expires(now), job)
+            )
             return RankState(rank, to, generation, now)
 
     def _advance(self, job: str, rank: int, generation: int, to: Position) -> RankState:
@@ -380,20 +427,26 @@ class EmbeddedStore(CursorStore):
 
     def _get(self, job: str) -> JobState:
         with self._transaction(write=False) as db:
-            row = self._job_row(db, job)
+            row = self._job_row(db, job, self._now(), write=False)
             if row is None:
                 raise JobNotFoundError(job)
             return _job_state(row, self._rank_rows(db, job))
 
     def _list_jobs(self) -> list[JobState]:
         with self._transaction(write=False) as db:
-            jobs: list[_JobRow] = db.execute(f"SELECT {_JOB_COLUMNS} FROM jobs ORDER BY job").fetchall()
+            now = self._now()
+            jobs: list[_JobRow] = [
+                row[:-1]
+                for row in db.execute(f"SELECT {_JOB_COLUMNS}, expires FROM jobs ORDER BY job").fetchall()
+                if not self._expired(row[-1], now)
+            ]
             rows: list[tuple[str, int, int, int, int, float]] = db.execute(
                 f"SELECT job, {_RANK_COLUMNS} FROM ranks ORDER BY job, rank"
             ).fetchall()
             ranks: dict[str, list[_RankRow]] = {row[0]: [] for row in jobs}
             for row in rows:
-                ranks[row[0]].append(row[1:])
+                if row[0] in ranks:
+                    ranks[row[0]].append(row[1:])
             return [_job_state(row, ranks[row[0]]) for row in jobs]
 
     @staticmethod
@@ -403,6 +456,8 @@ class EmbeddedStore(CursorStore):
 
     def _delete_job(self, job: str) -> bool:
         with self._transaction(write=True) as db:
+            if self._job_row(db, job, self._now(), write=True) is None:
+                return False  # unknown, or expired (and now deleted)
             return self._delete(db, job)
 
     def _ping(self) -> None:

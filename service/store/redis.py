@@ -54,6 +54,7 @@ from .base import (
     check_forward,
     check_generation,
     check_identity,
+    check_job_ttl,
     plan_from_json,
     plan_to_json,
     rank_outside,
@@ -344,15 +345,13 @@ class RedisCursorStore(CursorStore):
             raise ConfigError(
                 "namespace", f"must be 1..100 characters of A-Z a-z 0-9 . _ -, got {namespace!r}"
             )
-        if not isinstance(job_ttl_s, int | float) or not math.isfinite(job_ttl_s) or job_ttl_s < 0:
-            raise ConfigError("job_ttl_s", f"must be a number of seconds >= 0 (0: never), got {job_ttl_s!r}")
         if not isinstance(socket_timeout_s, int | float) or not socket_timeout_s > 0:
             raise ConfigError("socket_timeout_s", f"must be > 0, got {socket_timeout_s!r}")
         self._url = url
         self.url = redact_url(url)
         self._password = _url_password(url)
         self.namespace = namespace
-        self.job_ttl_s = float(job_ttl_s)
+        self.job_ttl_s = check_job_ttl(job_ttl_s)
         self.socket_timeout_s = float(socket_timeout_s)
         self.max_connections = max_connections
         self._ttl = str(_ms(self.job_ttl_s))

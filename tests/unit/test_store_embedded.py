@@ -39,7 +39,7 @@ from ladle.service.errors import (  # noqa: E402
 )
 from ladle.service.store import Clock, CursorStore, EmbeddedStore, JobSpec, Position  # noqa: E402
 from ladle.service.store.embedded import SCHEMA_VERSION  # noqa: E402
-from tests.contract.store_contract import SPEC, MakeStore, StoreContract, StoreFactory  # noqa: E402
+from tests.contract.store_contract import SPEC, MakeStore, ManualClock, StoreContract, StoreFactory  # noqa: E402
 
 DB = "cursors.db"
 
@@ -206,3 +206,127 @@ def test_job_spec_round_trip_of_the_pickle() -> None:
     spec = JobSpec("run-42", "d", "c", 8)
     assert pickle.loads(pickle.dumps(spec)) == spec
     assert pickle.loads(pickle.dumps(Position(1, 2))) == Position(1, 2)
+
+
+# --- the job time-to-live (--job-ttl, as the Redis store's key TTL) -----------
+
+
+def _ttl_store(tmp_path: Path, clock: ManualClock, ttl: float) -> EmbeddedStore:
+    return EmbeddedStore(tmp_path / DB, clock=clock, job_ttl_s=ttl)
+
+
+def test_a_job_nobody_writes_to_expires_and_every_write_refreshes_it(tmp_path: Path) -> None:
+    clock = ManualClock()
+    with _ttl_store(tmp_path, clock, 100) as store:
+        store.open_job(SPEC)
+        clock.tick(99)
+        generation = store.join(SPEC.job, 0, 4).generation  # refreshed: 100 s from now
+        clock.tick(99)
+        store.advance(SPEC.job, 0, generation, Position(0, 3))  # refreshed again
+        clock.tick(99)
+        assert store.get(SPEC.job).ranks[0].position == Position(0, 3), "a touched job expired"
+        assert [j.job for j in store.list_jobs()] == [SPEC.job]
+        clock.tick(1)  # 100 s after the last write
+        with pytest.raises(JobNotFoundError):
+            store.get(SPEC.job)
+        assert store.list_jobs() == [], "an expired job is still listed"
+        with pytest.raises(JobNotFoundError):
+            store.advance(SPEC.job, 0, generation, Position(0, 4))
+        with pytest.raises(JobNotFoundError):
+            store.join(SPEC.job, 0, 4)
+        fresh = store.open_job(SPEC)  # a new job of the same name: every rank at the start
+        assert {r.position for r in fresh.ranks} == {Position(0, 0)}
+        assert {r.generation for r in fresh.ranks} == {0}
+
+
+def test_a_refused_write_does_not_refresh_the_ttl(tmp_path: Path) -> None:
+    clock = ManualClock()
+    with _ttl_store(tmp_path, clock, 100) as store:
+        store.open_job(SPEC)
+        generation = store.join(SPEC.job, 1, 4).generation
+        store.join(SPEC.job, 1, 4)  # a newer process holds rank 1
+        clock.tick(60)
+        with pytest.raises(FencedError):
+            store.advance(SPEC.job, 1, generation, Position(0, 9))
+        clock.tick(40)
+        with pytest.raises(JobNotFoundError):
+            store.get(SPEC.job)
+
+
+def test_the_expiry_is_stored_so_every_reader_agrees(tmp_path: Path) -> None:
+    """``ladle jobs`` (another TTL, or none) sees the expiry the server's writes set, as with Redis."""
+    clock = ManualClock()
+    with _ttl_store(tmp_path, clock, 100) as server, _ttl_store(tmp_path, clock, 0) as reader:
+        server.open_job(SPEC)
+        keep = JobSpec("forever", SPEC.dataset_fingerprint, SPEC.config_fingerprint, 2)
+        reader.open_job(keep)  # written with no TTL: kept whatever the server's is
+        clock.tick(100)
+        assert [j.job for j in reader.list_jobs()] == ["forever"]
+        assert [j.job for j in server.list_jobs()] == ["forever"]
+        clock.tick(10**9)
+        assert reader.get("forever").spec == keep
+
+
+def test_expired_rows_are_deleted_not_only_hidden(tmp_path: Path) -> None:
+    clock = ManualClock()
+    with _ttl_store(tmp_path, clock, 10) as store:
+        for name in ("old-a", "old-b"):
+            store.open_job(JobSpec(name, SPEC.dataset_fingerprint, SPEC.config_fingerprint, 3))
+        clock.tick(10)
+        store.open_job(SPEC)  # any open_job sweeps
+        assert store.delete_job("old-a") is False, "an expired job could still be deleted"
+        db = sqlite3.connect(tmp_path / DB)
+        try:
+            assert db.execute("SELECT job FROM jobs").fetchall() == [(SPEC.job,)]
+            assert db.execute("SELECT DISTINCT job FROM ranks").fetchall() == [(SPEC.job,)]
+        finally:
+            db.close()
+
+
+def test_a_bad_ttl_is_a_config_error(tmp_path: Path) -> None:
+    from ladle.service.errors import ConfigError
+
+    for bad in (-1, float("nan"), float("inf"), True, "7d"):
+        with pytest.raises(ConfigError, match="job_ttl_s"):
+            EmbeddedStore(tmp_path / DB, job_ttl_s=bad)  # type: ignore[arg-type]
+
+
+def test_a_version_2_file_is_migrated_and_its_jobs_kept(tmp_path: Path) -> None:
+    """A state file of the previous schema (no expiry) keeps its jobs; their next write sets one."""
+    db = sqlite3.connect(tmp_path / DB, isolation_level=None)
+    db.execute(
+        "CREATE TABLE jobs (job TEXT PRIMARY KEY, dataset_fingerprint TEXT NOT NULL, "
+        "config_fingerprint TEXT NOT NULL, world_size INTEGER NOT NULL CHECK (world_size >= 1), "
+        "created REAL NOT NULL, updated REAL NOT NULL, incarnation TEXT NOT NULL, plan TEXT NOT NULL) "
+        "WITHOUT ROWID"
+    )
+    db.execute(
+        "CREATE TABLE ranks (job TEXT NOT NULL REFERENCES jobs (job) ON DELETE CASCADE, "
+        "rank INTEGER NOT NULL CHECK (rank >= 0), epoch INTEGER NOT NULL CHECK (epoch >= 0), "
+        "step INTEGER NOT NULL CHECK (step >= 0), generation INTEGER NOT NULL CHECK (generation >= 0), "
+        "last_seen REAL NOT NULL, PRIMARY KEY (job, rank)) WITHOUT ROWID"
+    )
+    db.execute(
+        "INSERT INTO jobs VALUES (?, ?, ?, 1, 5.0, 5.0, 'feedbeef', '[]')",
+        (SPEC.job, SPEC.dataset_fingerprint, SPEC.config_fingerprint),
+    )
+    db.execute("INSERT INTO ranks VALUES (?, 0, 2, 7, 3, 5.0)", (SPEC.job,))
+    db.execute("PRAGMA user_version = 2")
+    db.close()
+    clock = ManualClock()
+    with _ttl_store(tmp_path, clock, 100) as store:
+        state = store.get(SPEC.job)  # written long before T0, under no TTL: kept
+        assert (state.incarnation, state.ranks[0].position, state.ranks[0].generation) == (
+            "feedbeef",
+            Position(2, 7),
+            3,
+        )
+        store.advance(SPEC.job, 0, 3, Position(2, 8))
+        clock.tick(100)
+        with pytest.raises(JobNotFoundError):
+            store.get(SPEC.job)
+    db = sqlite3.connect(tmp_path / DB)
+    try:
+        assert db.execute("PRAGMA user_version").fetchone() == (SCHEMA_VERSION,)
+    finally:
+        db.close()

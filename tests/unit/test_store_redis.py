@@ -459,5 +459,6 @@ def test_open_store_picks_redis_or_the_file(redis_server: RedisServer, tmp_path:
     assert not (tmp_path / "x.db").exists()
     with open_store(redis_url=None, state_path=tmp_path / "sub" / "x.db", job_ttl_s=60) as store:
         assert isinstance(store, EmbeddedStore)
+        assert store.job_ttl_s == 60, "the embedded store ignored --job-ttl"
     assert (tmp_path / "sub" / "x.db").exists()
     assert os.path.basename(store.path) == "x.db"
