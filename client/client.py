@@ -462,6 +462,15 @@ class BatchClient:
     CUDA). ``timeout`` bounds how long the client waits for a server (to
     connect, or for the next batch) before it raises ``ServerUnavailableError``.
 
+    Without ``load_state_dict``, a rank of a job that has already run
+    starts at the job's cursor: the earliest position any of its ranks has
+    reached. The ranks of a DDP job restarted without a checkpoint are then
+    at the same step and get equal steps to the epoch's end (each at its own
+    cursor, a step or two apart, the ranks with more would hang in their
+    last collective); a rank that was ahead gets again the batches it
+    consumed beyond it. ``own_cursor=True`` starts at this rank's own
+    cursor instead, for ranks that do not train in step.
+
     ``token`` (default ``LADLE_TOKEN``, else the first line of the file
     ``LADLE_TOKEN_FILE`` names) is sent with every call to a server
     that wants one; a refused token raises ``AuthenticationError`` at once.
@@ -485,6 +494,7 @@ class BatchClient:
         pin_memory: bool | None = None,
         client_id: str | None = None,
         elastic: bool = False,
+        own_cursor: bool = False,
         token: str | None = None,
         tls: bool | None = None,
         root_certificates: bytes | str | os.PathLike[str] | None = None,
@@ -513,6 +523,7 @@ class BatchClient:
         self.timeout = float(timeout)
         self.client_id = client_id or f"{socket.gethostname()}:{os.getpid()}"
         self.elastic = bool(elastic)
+        self.own_cursor = bool(own_cursor)
         # "a:50051,b:50051": replicas; rank r starts on the r-th (mod n) and fails over in turn
         self.servers = [_target(a.strip()) for a in self.server.split(",") if a.strip()]
         if not self.servers:
@@ -919,6 +930,8 @@ class BatchClient:
             request.schedule_fingerprint = self._fingerprint
         if self.elastic:
             request.elastic = True
+        if self.own_cursor:
+            request.own_cursor = True
         if self._generation is not None:
             request.resume.CopyFrom(pb.Resume(generation=self._generation, incarnation=self._incarnation))
         first = pb.StreamRequest(open=request)

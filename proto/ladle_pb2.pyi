@@ -27,7 +27,7 @@ class Position(_message.Message):
     def __init__(self, epoch: _Optional[int] = ..., step: _Optional[int] = ...) -> None: ...
 
 class Open(_message.Message):
-    __slots__ = ("job", "rank", "world_size", "start", "prefetch", "schedule_fingerprint", "client_id", "elastic", "resume")
+    __slots__ = ("job", "rank", "world_size", "start", "prefetch", "schedule_fingerprint", "client_id", "elastic", "resume", "own_cursor")
     JOB_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -37,6 +37,7 @@ class Open(_message.Message):
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     ELASTIC_FIELD_NUMBER: _ClassVar[int]
     RESUME_FIELD_NUMBER: _ClassVar[int]
+    OWN_CURSOR_FIELD_NUMBER: _ClassVar[int]
     job: str
     rank: int
     world_size: int
@@ -46,7 +47,8 @@ class Open(_message.Message):
     client_id: str
     elastic: bool
     resume: Resume
-    def __init__(self, job: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., start: _Optional[_Union[Position, _Mapping]] = ..., prefetch: _Optional[int] = ..., schedule_fingerprint: _Optional[str] = ..., client_id: _Optional[str] = ..., elastic: _Optional[bool] = ..., resume: _Optional[_Union[Resume, _Mapping]] = ...) -> None: ...
+    own_cursor: bool
+    def __init__(self, job: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., start: _Optional[_Union[Position, _Mapping]] = ..., prefetch: _Optional[int] = ..., schedule_fingerprint: _Optional[str] = ..., client_id: _Optional[str] = ..., elastic: _Optional[bool] = ..., resume: _Optional[_Union[Resume, _Mapping]] = ..., own_cursor: _Optional[bool] = ...) -> None: ...
 
 class Resume(_message.Message):
     __slots__ = ("generation", "incarnation")

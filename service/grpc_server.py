@@ -40,7 +40,7 @@ from .jobs import Job, JobRegistry
 from .limits import Limits
 from .metrics import ServerMetrics, StreamMeter
 from .schedule import Schedule
-from .store.base import Position
+from .store.base import Position, RankState
 
 __all__ = ["ACK_FLUSH_SECONDS", "STORE_WRITERS", "BatchServicer", "StreamAbortedError", "status_of"]
 
@@ -533,6 +533,19 @@ class BatchServicer:
         job.check_rank(o.rank, o.world_size)
         if o.HasField("schedule_fingerprint") and o.schedule_fingerprint != job.fingerprint:
             moved = job.translate(o.schedule_fingerprint, given) if given is not None else None
+            if moved is None and given is not None and o.schedule_fingerprint == job.previous_fingerprint:
+                cut = job.plan[-1]
+                at = ", ".join(f"{p.epoch}:{p.step}" for p in sorted(set(cut.cut)))
+                raise StreamAbortedError(
+                    "failed_precondition",
+                    "schedule_mismatch",
+                    f"job {job.name!r} was resized from {cut.world_size} to {job.world_size} ranks at "
+                    f"{at} (epoch:step; the checkpoint the first new rank loaded, or the stored cursors "
+                    f"if it loaded none), and this checkpoint of the old world is at {given.epoch}:"
+                    f"{given.step}: every rank of an elastic restart must load a checkpoint of the same "
+                    "step (rank 0's will do), or none",
+                    "open.start",
+                )
             if moved is None:
                 raise StreamAbortedError(
                     "failed_precondition",
@@ -543,6 +556,9 @@ class BatchServicer:
                 )
             given = moved  # a checkpoint of the world before an elastic resize, taken at its cut
         joined = job.join(o.rank)
+        behind = None if given is not None or o.own_cursor else self._job_cursor(job, o.rank, joined)
+        if given is None:
+            given = behind
         start = job.normalise(given if given is not None else joined.position, hot=True)
         lost = self._lost_writes(o, job, joined.generation)
         if lost:
@@ -573,6 +589,32 @@ class BatchServicer:
         )
         session.stored = joined.position
         return session
+
+    @staticmethod
+    def _job_cursor(job: Job, rank: int, joined: RankState) -> Position | None:
+        """Where a rank with no checkpoint starts when another rank of the job is behind it, else None.
+
+        That is the job's cursor, the earliest stored position of any rank: a
+        DDP job restarted without a checkpoint (torchrun kills and restarts
+        every rank) has its ranks a step or two apart, and each continuing at
+        its own cursor would leave them unequal steps to the epoch's end, where
+        the ranks with more would hang in their last collective (PRODUCT.md
+        guarantee 2). The ranks ahead get again what they consumed beyond it.
+        """
+        own = job.normalise(joined.position, hot=True)
+        earliest = min(job.normalise(r.position, hot=True) for r in job.state().ranks)
+        if earliest >= own:
+            return None
+        log.info(
+            "job %s rank %d: no checkpoint, so it starts at the job's cursor %s (the earliest rank's), "
+            "not at its own %s, as every rank restarted without one does: the batches between are "
+            "served to it again (BatchClient(own_cursor=True) keeps a rank's own cursor)",
+            job.name,
+            rank,
+            earliest,
+            own,
+        )
+        return earliest
 
     @staticmethod
     def _lost_writes(o: pb.Open, job: Job, generation: int) -> str:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import itertools
 import os
 import pickle
 import re
@@ -313,21 +314,34 @@ def test_a_dropped_client_ends_its_threads(module_server: Any) -> None:
             assert steps(again, 1) == [1], "a dropped client lost its acknowledgement, or its held batch"
 
 
-def test_a_dropped_client_keeps_its_channel_until_its_stream_has_ended(module_server: Any) -> None:
+def test_a_dropped_client_keeps_its_channel_until_its_stream_has_ended(
+    module_server: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Freed with the client, grpcio's channel cancelled the call before the flushed acknowledgement went.
 
     (A churn audit saw 29 of 400 clients dropped in bursts give their successor 1-3
-    consumed batches again.)
+    consumed batches again.) The thread that ends the stream must hold the channel: it
+    is handed to it, and released only after the stream's end.
     """
+    from ladle.client import client as client_module
+
+    ended: list[bool] = []  # whether the thread was handed the channel (it closes it after the stream)
+    end_dropped = client_module._end_dropped
+
+    def recording(stream: Any, channel: Any) -> None:
+        end_dropped(stream, channel)
+        ended.append(channel is not None)
+
+    monkeypatch.setattr(client_module, "_end_dropped", recording)
     client = BatchClient(0, 1, module_server.address, "dropped-channel")
     steps(client, 3)  # 0 and 1 consumed (their acknowledgement held back in a group), 2 held
     channel = weakref.ref(client._channel)
     del client
     gc.collect()
-    assert channel() is not None, "the channel went with the client, before its stream had ended"
     deadline = time.monotonic() + 10
-    while channel() is not None and time.monotonic() < deadline:  # and then it does go
+    while (channel() is not None or not ended) and time.monotonic() < deadline:  # and then it does go
         time.sleep(0.05)
+    assert ended == [True], "the channel was not held by the thread that ends the stream"
     assert channel() is None, "the dropped client's channel was never released"
     with BatchClient(0, 1, module_server.address, "dropped-channel") as again:
         assert steps(again, 1) == [2], "a dropped client lost its acknowledgement, or its held batch"
@@ -533,3 +547,95 @@ def test_the_trainers_thread_never_sends_into_grpc(
                 break
     assert senders, "no acknowledgement went through DirectCall.send"
     assert me not in senders, f"the trainer's thread sent into gRPC (senders: {sorted(senders)})"
+
+
+_KILLED_AT = """
+import os, signal, sys, time
+from ladle.client import BatchClient
+address, job = sys.argv[1], sys.argv[2]
+rank, world, held = (int(a) for a in sys.argv[3:6])
+client = BatchClient(rank, world, address, job, timeout=30)
+batches = iter(client)
+for _ in range(held + 1):  # steps 0..held-1 consumed, step `held` in the trainer's hands
+    next(batches)
+time.sleep(0.5)  # the acknowledgements reach the store (the server writes them within 50 ms)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def _killed_at(address: str, job: str, rank: int, world: int, held: int, tmp_path: Path) -> None:
+    """A trainer process of ``rank`` that is kill -9ed holding step ``held`` (as torchrun's restart does)."""
+    script = tmp_path / "killed_at.py"
+    script.write_text(_KILLED_AT)
+    done = subprocess.run(
+        [sys.executable, str(script), address, job, str(rank), str(world), str(held)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == -signal.SIGKILL, done.stderr
+
+
+def test_a_ddp_group_restarted_without_checkpoints_starts_at_one_step(
+    server_factory: Server, tmp_path: Path
+) -> None:
+    """torchrun kills every rank and starts them again; each rank at its own cursor got unequal steps.
+
+    (An audit's group restart left the ranks at 417 and 419 batches to the epoch's end: a DDP
+    job hangs in its last collective.) Without a checkpoint every rank starts at the job's
+    cursor, the earliest rank's position, whichever order they come back in.
+    """
+    server = server_factory()
+    for order, job in (((0, 1), "ddp-restart-a"), ((1, 0), "ddp-restart-b")):
+        _killed_at(server.address, job, 0, 2, 7, tmp_path)  # rank 0 ran ahead, to step 7
+        _killed_at(server.address, job, 1, 2, 5, tmp_path)  # rank 1 died holding step 5
+        clients = {rank: BatchClient(rank, 2, server.address, job, timeout=30) for rank in order}
+        try:
+            # in step, as DDP runs them: each takes its first batch (in `order`), then both go on
+            batches = {rank: iter(clients[rank]) for rank in order}
+            got: dict[int, list[int]] = {rank: [next(batches[rank]).step] for rank in order}
+            for pair in itertools.zip_longest(batches[0], batches[1]):
+                for rank, batch in enumerate(pair):
+                    got[rank].append(-1 if batch is None else batch.step)
+        finally:
+            for client in clients.values():
+                client.close()
+        assert got[0][0] == got[1][0] == 5, f"ranks restarted at {got[0][0]} and {got[1][0]}"
+        assert got[0] == got[1], "the ranks do not have the same steps to the epoch's end"
+
+
+def test_own_cursor_keeps_a_ranks_own_position(server_factory: Server, tmp_path: Path) -> None:
+    """Ranks that do not train in step keep exact per-rank resume; a rank behind the others is not moved."""
+    server = server_factory()
+    _killed_at(server.address, "own-cursor", 0, 2, 7, tmp_path)
+    _killed_at(server.address, "own-cursor", 1, 2, 5, tmp_path)
+    with BatchClient(0, 2, server.address, "own-cursor", own_cursor=True, timeout=30) as ahead:
+        assert steps(ahead, 1) == [7], "own_cursor=True did not continue at the rank's own cursor"
+    with BatchClient(1, 2, server.address, "own-cursor", timeout=30) as behind:
+        assert steps(behind, 1) == [5], "the rank furthest behind did not continue at its own cursor"
+
+
+def test_an_elastic_checkpoint_off_the_cut_names_the_cut(server_factory: Server) -> None:
+    """Each new rank loading its own old rank's checkpoint, at other steps: the error said nothing useful."""
+    server = server_factory()
+    old = [BatchClient(r, 4, server.address, "elastic-cut", timeout=30) for r in range(4)]
+    saved = []
+    for rank, client in enumerate(old):
+        steps(client, 3 + 2 * rank)
+        saved.append(client.state_dict())
+        client.close()
+    first = BatchClient(0, 2, server.address, "elastic-cut", elastic=True, timeout=30)
+    second = BatchClient(1, 2, server.address, "elastic-cut", elastic=True, timeout=30)
+    try:
+        first.load_state_dict(saved[0])
+        steps(first, 1)  # the resize is cut at rank 0's checkpoint
+        second.load_state_dict(saved[1])
+        with pytest.raises(StateDictError) as info:
+            steps(second, 1)
+        message = str(info.value)
+        assert "was resized from 4 to 2 ranks at 0:3" in message, message
+        assert "this checkpoint of the old world is at 0:5" in message, message
+        assert "must load a checkpoint of the same step" in message, message
+    finally:
+        first.close()
+        second.close()
