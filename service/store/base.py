@@ -83,12 +83,7 @@ def validate_job_name(job: object) -> str:
 
 def check_job_ttl(value: object) -> float:
     """``value`` as a job time-to-live in seconds (0: jobs are kept forever), else ``ConfigError``."""
-    if (
-        not isinstance(value, int | float)
-        or isinstance(value, bool)
-        or not math.isfinite(value)
-        or value < 0
-    ):
+    if not isinstance(value, int | float) or isinstance(value, bool) or not math.isfinite(value) or value < 0:
         raise ConfigError("job_ttl_s", f"must be a number of seconds >= 0 (0: never), got {value!r}")
     return float(value)
 
