@@ -11,6 +11,7 @@ from typing import ClassVar
 
 __all__ = [
     "BinaryFileError",
+    "CheckpointMismatchError",
     "ConfigError",
     "CursorRegressionError",
     "DatasetChangedError",
@@ -247,6 +248,16 @@ class JobMismatchError(StoreError):
 
     def __reduce__(self) -> tuple[type[JobMismatchError], tuple[str, tuple[tuple[str, str, str], ...]]]:
         return (type(self), (self.job, self.differences))
+
+
+class CheckpointMismatchError(StoreError):
+    """A loaded checkpoint that the job's schedule cannot continue (refused before anything changes).
+
+    The client raises ``StateDictError`` for it, as for any state of another
+    schedule (the same ``schedule_mismatch`` reason on the wire).
+    """
+
+    reason = "schedule_mismatch"
 
 
 class WorldSizeMismatchError(StoreError):

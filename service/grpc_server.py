@@ -35,7 +35,7 @@ from ladle.proto import codec, rpc
 from ladle.proto import ladle_pb2 as pb
 
 from .assemble import Assembler
-from .errors import ConfigError, FencedError, JobNotFoundError, LadleError
+from .errors import CheckpointMismatchError, ConfigError, FencedError, JobNotFoundError, LadleError
 from .jobs import Job, JobRegistry
 from .limits import Limits
 from .metrics import ServerMetrics, StreamMeter
@@ -555,10 +555,15 @@ class BatchServicer:
                     "open.schedule_fingerprint",
                 )
             given = moved  # a checkpoint of the world before an elastic resize, taken at its cut
+        if given is not None:  # checked before the join, which would fence the rank's running process
+            try:
+                given = job.normalise(given, hot=True)
+            except ConfigError as exc:
+                message = f"the loaded state is not a position of this job: {exc}"
+                raise CheckpointMismatchError(message) from None
         joined = job.join(o.rank)
-        behind = None if given is not None or o.own_cursor else self._job_cursor(job, o.rank, joined)
-        if given is None:
-            given = behind
+        if given is None and not o.own_cursor:
+            given = self._job_cursor(job, o.rank, joined)
         start = job.normalise(given if given is not None else joined.position, hot=True)
         lost = self._lost_writes(o, job, joined.generation)
         if lost:

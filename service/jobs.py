@@ -24,7 +24,13 @@ import numpy as np
 import numpy.typing as npt
 
 from .dataset import TokenDataset
-from .errors import ConfigError, ScheduleBusyError, ScheduleError, WorldSizeMismatchError
+from .errors import (
+    CheckpointMismatchError,
+    ConfigError,
+    ScheduleBusyError,
+    ScheduleError,
+    WorldSizeMismatchError,
+)
 from .schedule import ALGORITHM_VERSION, Dropped, Schedule, ScheduleConfig, build_schedule
 from .store.base import (
     CursorStore,
@@ -417,11 +423,7 @@ class Job:
     @property
     def previous_fingerprint(self) -> str | None:
         """The schedule fingerprint of this job before its latest resize (None if never resized)."""
-        if not self.plan:
-            return None
-        return schedule_fingerprint(
-            self.dataset.fingerprint, self.config.fingerprint(), self.plan[-1].world_size, self.plan[:-1]
-        )
+        return self.before_resize().fingerprint if self.plan else None
 
     def translate(self, fingerprint: str, position: Position) -> Position | None:
         """Where a checkpoint of the world before the latest resize continues, or None if it cannot.
@@ -433,9 +435,28 @@ class Job:
         if fingerprint != self.previous_fingerprint:
             return None
         cut = self.plan[-1].cut
+        try:  # a checkpoint on an epoch's last batch says (e, steps): the cut holds it as (e + 1, 0)
+            position = self.before_resize().normalise(position, hot=True)
+        except ConfigError:
+            return None
         if any(p != position for p in cut):
             return None
         return resize_start(cut)
+
+    def before_resize(self) -> Job:
+        """This job as it was before its latest resize (its world size and resize history then)."""
+        if not self.plan:
+            raise ValueError(f"job {self.name!r} was never resized")
+        return Job(
+            self.name,
+            self.dataset,
+            self.config,
+            self.plan[-1].world_size,
+            self.store,
+            plan=self.plan[:-1],
+            incarnation=self.incarnation,
+            cache=self.cache,
+        )
 
     def join(self, rank: int) -> RankState:
         return self.store.join(self.name, rank, self.world_size)
@@ -504,8 +525,22 @@ class JobRegistry:
     ) -> JobState:
         old = self._job_for(self.store.get(name))
         cut = None
-        if checkpoint is not None and checkpoint[1] == old.fingerprint and old.world_size == old_size:
-            cut = (old.normalise(checkpoint[0], hot=True),) * old_size
+        if checkpoint is not None and checkpoint[1] != old.fingerprint:
+            # refused before the store changes: a resize cut at the stored cursors would leave a job
+            # that the trainers' checkpoint (the one matching their model) can never be loaded into
+            raise CheckpointMismatchError(
+                f"the checkpoint is of schedule {checkpoint[1]}, but job {name!r} follows {old.fingerprint} "
+                f"({old_size} ranks{self._since(old)}): its ranks went on past that checkpoint, so "
+                f"it cannot be resized to {new_size} ranks from it. Load a checkpoint of the world of "
+                f"{old_size} ranks, or start without one (the rest of the epoch is then re-planned "
+                "from the stored cursors); the job is unchanged"
+            )
+        if checkpoint is not None and old.world_size == old_size:
+            try:
+                cut = (old.normalise(checkpoint[0], hot=True),) * old_size
+            except ConfigError as exc:
+                message = f"the loaded state is not a position of job {name!r}: {exc}; the job is unchanged"
+                raise CheckpointMismatchError(message) from None
         state = self.store.resize(name, old_size, new_size, cut)
         if state.plan and len(state.plan) > len(old.plan):
             last = state.plan[-1].cut
@@ -521,6 +556,14 @@ class JobRegistry:
                 resize_start(last).epoch,
             )
         return state
+
+    @staticmethod
+    def _since(job: Job) -> str:
+        """', since its resize from N ranks at E:S' for a job that was resized, else ''."""
+        if not job.plan:
+            return ""
+        at = ", ".join(f"{p.epoch}:{p.step}" for p in sorted(set(job.plan[-1].cut)))
+        return f", since its resize from {job.plan[-1].world_size} ranks at {at}"
 
     def _job_for(self, state: JobState) -> Job:
         with self._lock:

@@ -639,3 +639,59 @@ def test_an_elastic_checkpoint_off_the_cut_names_the_cut(server_factory: Server)
     finally:
         first.close()
         second.close()
+
+
+def test_an_elastic_resume_from_a_checkpoint_on_an_epochs_last_batch(server_factory: Server) -> None:
+    """A checkpoint after every batch, stopped between epochs, is (e, steps): refused, and the job resized.
+
+    The resize's cut holds that point as (e + 1, 0); the checkpoint is compared in that form.
+    """
+    server = server_factory()
+    old = [BatchClient(r, 2, server.address, "elastic-end", timeout=30) for r in range(2)]
+    saved = []
+    for client in old:
+        for _batch in client:
+            saved_state = client.state_dict()  # after every batch, as the README's loop does
+        saved.append(saved_state)
+        client.close()
+    assert saved[0]["epoch"] == 0, saved[0]  # the (e, steps) form
+    assert saved[0]["step"] > 0, saved[0]
+    with BatchClient(0, 1, server.address, "elastic-end", elastic=True, timeout=30) as resized:
+        resized.load_state_dict(saved[0])
+        first = next(iter(resized))
+        assert first.epoch == 1, f"the resized job continued in epoch {first.epoch}"
+
+
+def test_a_checkpoint_the_resized_job_cannot_take_leaves_the_job_as_it_was(server_factory: Server) -> None:
+    """4 -> 2 (trained on, no checkpoint) -> 3 with the 4-rank checkpoint: refused, and nothing changed."""
+    server = server_factory()
+    four = [BatchClient(r, 4, server.address, "elastic-flap", timeout=30) for r in range(4)]
+    for client in four:
+        steps(client, 4)
+    checkpoint = four[0].state_dict()
+    for client in four:
+        client.close()
+    two = [BatchClient(r, 2, server.address, "elastic-flap", elastic=True, timeout=30) for r in range(2)]
+    for client in two:
+        client.load_state_dict(checkpoint)
+        steps(client, 3)  # and dies before its first checkpoint
+        client.close()
+    with BatchClient(0, 3, server.address, "elastic-flap", elastic=True, timeout=30) as three:
+        three.load_state_dict(checkpoint)
+        with pytest.raises(StateDictError, match=r"cannot be resized to 3 ranks from it.*job is unchanged"):
+            steps(three, 1)
+    with BatchClient(0, 2, server.address, "elastic-flap", timeout=30) as again:  # still the world of 2
+        assert steps(again, 1) == [3], "the refused checkpoint changed the job"
+
+
+def test_a_state_past_its_epochs_end_is_a_state_error_and_fences_no_one(module_server: Any) -> None:
+    """It was a plain BatchClientError, raised after the join had fenced the rank's running process."""
+    with BatchClient(0, 1, module_server.address, "past-the-end", timeout=30) as running:
+        batches = iter(running)
+        assert [next(batches).step for _ in range(2)] == [0, 1]
+        bad = running.state_dict() | {"step": 10**6}
+        with BatchClient(0, 1, module_server.address, "past-the-end", timeout=30) as other:
+            other.load_state_dict(bad)
+            with pytest.raises(StateDictError, match="not a position of this job"):
+                steps(other, 1)
+        assert next(batches).step == 2, "the refused state fenced the running process"
