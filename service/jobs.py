@@ -27,6 +27,7 @@ from .dataset import TokenDataset
 from .errors import (
     CheckpointMismatchError,
     ConfigError,
+    JobNotFoundError,
     ScheduleBusyError,
     ScheduleError,
     WorldSizeMismatchError,
@@ -507,6 +508,8 @@ class JobRegistry:
         spec = JobSpec(name, self.dataset.fingerprint, self.config.fingerprint(), world_size)
         known = self.get(name)
         restore = known is not None and not reset
+        if known is None or reset:
+            self._check_new(name, world_size)
         try:
             state = self.store.open_job(
                 spec,
@@ -519,6 +522,23 @@ class JobRegistry:
                 raise
             state = self._resize(name, exc.stored, world_size, checkpoint)
         return self._job_for(state)
+
+    def _check_new(self, name: str, world_size: int) -> None:
+        """Build epoch 0 of a job the store does not hold yet before creating it there.
+
+        A world size the dataset cannot fill (``ScheduleError``: no complete
+        step) is then refused with nothing stored; created first, the job was
+        left behind as the one updated last, and the page and ``ladle
+        inspect`` failed on it for everyone. The schedule is the one the job's
+        first stream uses next (the cache keeps it).
+        """
+        try:
+            self.store.get(name)
+            return  # stored already: its schedule was built before
+        except JobNotFoundError:
+            pass
+        job = Job(name, self.dataset, self.config, world_size, self.store, cache=self.schedules)
+        job.schedule(0, hot=True)
 
     def _resize(
         self, name: str, old_size: int, new_size: int, checkpoint: tuple[Position, str] | None

@@ -695,3 +695,24 @@ def test_a_state_past_its_epochs_end_is_a_state_error_and_fences_no_one(module_s
             with pytest.raises(StateDictError, match="not a position of this job"):
                 steps(other, 1)
         assert next(batches).step == 2, "the refused state fenced the running process"
+
+
+def test_a_world_size_the_dataset_cannot_fill_leaves_no_job_behind(server_factory: Server) -> None:
+    """Refused at the first batch, the job stayed in the store, and the page (the job updated last) broke."""
+    import json
+    import urllib.request
+
+    server = server_factory()
+    with BatchClient(0, 1, server.address, "healthy", timeout=30) as healthy:
+        steps(healthy, 2)
+    with (
+        BatchClient(0, 65536, server.address, "too-wide", timeout=30) as wide,
+        pytest.raises(BatchClientError, match="no complete step"),
+    ):
+        steps(wide, 1)
+    with urllib.request.urlopen(f"{server.http_url}/v1/jobs", timeout=30) as answer:
+        jobs = [j["job"] for j in json.load(answer)["jobs"]]
+    assert jobs == ["healthy"], f"the refused job was stored: {jobs}"
+    with urllib.request.urlopen(f"{server.http_url}/", timeout=30) as page:
+        assert page.status == 200
+        assert "healthy" in page.read().decode()
