@@ -130,7 +130,10 @@ def _serve_and_train(
     with server:
         print(f"server on {server.address}; {world_size} trainers, {sched.num_steps} steps each")
         http = server.http_address
-        print(f"watch it at http://{http}/ or with `ladle inspect --server {http}`")
+        print(
+            f"while the epoch runs (seconds), the page is at http://{http}/ and `ladle inspect --server "
+            f"{http}` reads it; to look around at leisure, `ladle serve DATASET` keeps a server up"
+        )
         return _run_trainers(server.address, world_size, sched, ds.lengths, config)
 
 

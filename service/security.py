@@ -71,6 +71,9 @@ def _valid(token: str, where: str) -> str:
     if not all(33 <= ord(c) <= 126 for c in token):
         # visible ASCII only: it travels in an HTTP/2 header
         raise ConfigError("token", f"{where}: a token is visible ASCII without spaces; {_MAKE_ONE}")
+    if token.lower().startswith("change-me"):
+        # deploy/k8s/secret.example.yaml's placeholder: published, so anyone could read the batches
+        raise ConfigError("token", f"{where}: the token is the example Secret's placeholder; {_MAKE_ONE}")
     return token
 
 

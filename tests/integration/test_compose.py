@@ -43,8 +43,9 @@ import pytest
 import yaml
 
 from ladle.client import AuthenticationError, BatchClient
+from ladle.service.cli import build_parser, config_from_args
 from ladle.service.dataset import open_dataset
-from ladle.service.schedule import ScheduleConfig, build_schedule
+from ladle.service.schedule import build_schedule
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "docker-compose.yml"
@@ -54,6 +55,22 @@ BIN = Path(sys.executable).parent
 def load() -> dict[str, Any]:
     document: dict[str, Any] = yaml.safe_load(COMPOSE.read_text())
     return document
+
+
+def test_the_image_gives_its_user_the_named_volumes_mount_points() -> None:
+    """Docker creates a named volume with the owner of the image's folder: root's, if the image has none."""
+    dockerfile = (ROOT / "deploy" / "Dockerfile").read_text()
+    final = dockerfile.rsplit("\nFROM ", 1)[1]  # the runtime stage
+    user = re.search(r"^USER (\S+)", final, re.MULTILINE)
+    assert user is not None, "the image runs as root"
+    owned = set(re.findall(r"chown " + re.escape(user.group(1)) + r" ([^\n&]+)", final))
+    owned_paths = {p for group in owned for p in group.replace("\\", " ").split()}
+    for name, service in load()["services"].items():
+        if service.get("image", "").startswith("ladle") or "build" in service:
+            for volume in service.get("volumes", []):
+                source, target = str(volume).split(":")[:2]
+                if not source.startswith((".", "/")):
+                    assert target in owned_paths, f"{name}: {target} would be root's in a new volume"
 
 
 def test_the_compose_file_follows_the_specification() -> None:
@@ -260,7 +277,9 @@ def test_the_stack_runs_and_every_row_arrives_once(stack: Stack) -> None:
         [np.load(received_dir / f"rank-{n.removeprefix('trainer-')}.npy") for n in trainers]
     )
     dataset = open_dataset(stack.local.paths["/data"] / "sample")
-    sched = build_schedule(dataset.lengths, ScheduleConfig(), epoch=0, world_size=len(trainers))
+    served = build_parser().parse_args(stack.services["ladle"]["command"][1:])  # the server's own options
+    sched = build_schedule(dataset.lengths, config_from_args(served), epoch=0, world_size=len(trainers))
+    assert len(np.unique(sched.buckets)) > 1, "the stack's sample fills one bucket: one colour on the page"
     assert len(np.unique(rows)) == len(rows), "a row arrived twice"
     assert np.array_equal(np.sort(rows), np.sort(sched.scheduled_rows())), "rows missing or unexpected"
     assert stack.procs["ladle"].poll() is None, "the server died"

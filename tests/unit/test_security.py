@@ -103,6 +103,7 @@ def test_token_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
         ("short\n", "at least 16 characters"),
         ("a token with spaces in it\n", "visible ASCII"),
         ("tökentökentökentöken\n", "visible ASCII"),
+        ("change-me-to-a-long-random-token\n", "example Secret's placeholder"),  # published in deploy/
     ],
 )
 def test_bad_token_files_name_the_file_never_the_token(tmp_path: Path, text: str, message: str) -> None:
