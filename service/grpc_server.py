@@ -401,6 +401,18 @@ class BatchServicer:
             try:
                 # store calls may wait on a lock held by another process: keep them off the event loop
                 session = await asyncio.to_thread(self._open, first)
+            except LadleError as exc:
+                if exc.kind == "failed_precondition":  # a job this server cannot serve as asked: say so here
+                    o = first.open
+                    log.warning(
+                        "stream refused: job=%s rank=%d/%d client=%s: %s",
+                        o.job,
+                        o.rank,
+                        o.world_size,
+                        o.client_id or "-",
+                        exc,
+                    )
+                raise
             finally:
                 self._release(admitted)
         except LadleError as exc:

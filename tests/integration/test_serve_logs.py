@@ -29,3 +29,27 @@ def test_uvicorn_warnings_have_a_timestamp_and_a_logger_name(server_factory: Fac
     for line in lines:
         assert LADLE_LINE.match(line), f"not in ladle's log format: {line!r}"
         assert " WARNING uvicorn.error: " in line, line
+
+
+def test_a_refused_stream_is_logged_on_the_server(server_factory: Factory) -> None:
+    """A replica that refused every trainer (another world size, config or dataset) logged nothing at all."""
+    from ladle.client import BatchClient
+    from ladle.client.errors import BatchClientError
+
+    server = server_factory()
+    with BatchClient(0, 2, server.address, "refused-here", timeout=30) as running:
+        next(iter(running))
+        with BatchClient(0, 3, server.address, "refused-here", client_id="node-7:42", timeout=30) as wrong:
+            try:
+                next(iter(wrong))
+            except BatchClientError:
+                pass
+            else:
+                raise AssertionError("another world size was served")
+    deadline = time.monotonic() + 10
+    while "stream refused" not in server.log_tail() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    lines = [line for line in server.log_tail().splitlines() if "stream refused" in line]
+    assert lines, f"the refusal is not in the server's log: {server.log_tail()}"
+    assert " WARNING ladle.server: stream refused: job=refused-here rank=0/3 client=node-7:42: " in lines[0]
+    assert "world_size=2" in lines[0] or "world size" in lines[0], lines[0]
