@@ -164,6 +164,15 @@ class _Stream:
         # thread so next() only dequeues
         # (unbounded: the server sends at most `depth` batches beyond what was acknowledged)
         self.frames: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        # the status that ended a stream whose rank a newer process took: seen before the batches
+        # still queued, which the newer process is given too (set on the reader thread)
+        self.fenced: Any = None
+
+    def _end(self, status: Any) -> None:
+        """Queue the status that ended the call (on the reader thread), noting a fence at once."""
+        if _is_fence(status):
+            self.fenced = status
+        self.frames.put(status)
 
     def _hold(self, through: tuple[int, int]) -> bool:
         """Count one consumed batch; True if its acknowledgement may wait (hold the stream's lock)."""
@@ -293,7 +302,7 @@ class _ThreadedStream(_Stream):
                 self._put(frame)
             self.frames.put(_END)
         except grpc.RpcError as exc:
-            self.frames.put(exc)
+            self._end(exc)
         except Exception as exc:  # pragma: no cover - defensive: surface anything to the trainer
             self.frames.put(exc)
 
@@ -358,7 +367,10 @@ class _PolledStream(_Stream):
             while (frame := call.receive()) is not None:
                 self._put(frame)
             status = call.status
-            self.frames.put(_END if status is None or status.code() is grpc.StatusCode.OK else status)
+            if status is None or status.code() is grpc.StatusCode.OK:
+                self.frames.put(_END)
+            else:
+                self._end(status)
         except Exception as exc:  # pragma: no cover - defensive: surface anything to the trainer
             self.frames.put(exc)
             call.cancel()
@@ -722,7 +734,8 @@ class BatchClient:
         while True:
             stream = self._ensure_stream(deadline)
             try:
-                item = stream.next(max(0.0, deadline - time.monotonic()))
+                # a fenced stream's queued batches are the newer process's now: its status first
+                item = stream.fenced or stream.next(max(0.0, deadline - time.monotonic()))
             except queue.Empty:
                 self._drop_stream()
                 raise ServerUnavailableError(
@@ -822,7 +835,7 @@ class BatchClient:
             return ServerUnavailableError(f"{self._address}: {message}", name)
         if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
             return AuthenticationError(f"{self._address}: {message}", name)
-        if details is not None and details.reason == "fenced":
+        if _is_fence(exc):
             return FencedError(message, name)
         if details is not None and details.reason == "schedule_mismatch":  # a loaded state of another job
             return StateDictError(f"{self._address}: {message}", name)
@@ -1026,6 +1039,17 @@ class BatchClient:
             ).start()
         except Exception:
             pass
+
+
+def _is_fence(status: Any) -> bool:
+    """Whether a call's status says a newer process took this rank (FAILED_PRECONDITION, reason fenced)."""
+    try:
+        if status.code() is not grpc.StatusCode.FAILED_PRECONDITION:
+            return False
+        details = rpc.error_details(status.trailing_metadata())
+    except Exception:  # not a status with trailers: not a fence
+        return False
+    return details is not None and details.reason == "fenced"
 
 
 def _end_dropped(stream: _ThreadedStream | _PolledStream, channel: Any) -> None:

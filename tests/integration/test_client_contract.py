@@ -716,3 +716,23 @@ def test_a_world_size_the_dataset_cannot_fill_leaves_no_job_behind(server_factor
     with urllib.request.urlopen(f"{server.http_url}/", timeout=30) as page:
         assert page.status == 200
         assert "healthy" in page.read().decode()
+
+
+def test_a_fenced_process_gets_no_more_batches_from_its_window(module_server: Any) -> None:
+    """The replaced process still trained on the batches in its prefetch window (an audit saw 3-6
+    more steps, which the newer process was given too), and only then raised FencedError."""
+    old = BatchClient(0, 1, module_server.address, "fenced-window", prefetch=8, timeout=30)
+    try:
+        batches = iter(old)
+        assert [next(batches).step for _ in range(2)] == [0, 1]  # step 0 consumed, 1 held
+        deadline = time.monotonic() + 10
+        while (old._stream is None or old._stream.buffered() < 6) and time.monotonic() < deadline:
+            time.sleep(0.02)  # its window fills: steps 2..8 wait in the client
+        time.sleep(0.2)  # and step 0's acknowledgement reaches the store
+        with BatchClient(0, 1, module_server.address, "fenced-window", timeout=30) as new:
+            assert steps(new, 1) == [1], "the newer process did not take over at the stored cursor"
+            time.sleep(0.5)  # the old stream's end (FAILED_PRECONDITION, fenced) reaches its reader
+            with pytest.raises(FencedError):
+                next(batches)
+    finally:
+        old.close()
