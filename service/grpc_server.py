@@ -142,6 +142,7 @@ class _Session:
         self.last_flush = 0.0
         self.deferred: asyncio.TimerHandle | None = None
         self.writing: asyncio.Future[Position] | None = None  # the store write in flight
+        self.write_failed = False  # a cursor write failed: the stream ends, with no last write
         self.store_executor = store_executor
         self.failure: BaseException | None = None
         self.requests_done = False
@@ -184,6 +185,8 @@ class _Session:
         """
         while True:
             if self.writing is None:
+                if self.write_failed:  # it would fail again (and wait out a hung store's timeout again)
+                    return
                 self.flush(force=True)
                 if self.writing is None:
                     return
@@ -220,6 +223,7 @@ class _Session:
             return
         exc = done.exception()
         if exc is not None:
+            self.write_failed = True
             if not isinstance(exc, LadleError):
                 log.error("job %s rank %d: the cursor write failed", self.job.name, self.rank, exc_info=exc)
             elif not isinstance(exc, StreamAbortedError):  # the store is away: the trainer reconnects

@@ -560,3 +560,44 @@ def test_a_redis_that_stops_answering_stops_no_other_call(
         trainers.join(timeout=30)
     assert max(slowest) < 2.0, f"a health check waited {max(slowest):.1f}s while Redis hung"
     trainers.check_exactly_once(small_dataset)
+
+
+def test_a_hung_redis_ends_a_stream_after_one_write_timeout_with_one_log_line(
+    redis_server_factory: Callable[..., Any], server_factory: Factory
+) -> None:
+    """The stream's last write at its end waited out a second 5 s timeout, and logged the failure again."""
+    import datetime
+
+    redis = redis_server_factory()
+    server = server_factory(extra=["--redis-url", redis.url])
+    stop = threading.Event()
+
+    def train() -> None:
+        with BatchClient(0, 1, server.address, "hung-once", timeout=60) as client:
+            while not stop.is_set():  # epoch after epoch
+                for _batch in client:
+                    if stop.is_set():
+                        return
+                    time.sleep(0.01)
+
+    thread = threading.Thread(target=train, daemon=True)
+    thread.start()
+    try:
+        time.sleep(1.0)  # streaming, its cursor written every 50 ms
+        os.kill(redis.pid, signal.SIGSTOP)
+        hung = time.time()
+        deadline = time.monotonic() + 20
+        while "unavailable: cursor store" not in server.log_tail() and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        os.kill(redis.pid, signal.SIGCONT)
+        stop.set()
+        thread.join(timeout=60)
+    log = server.log_tail().splitlines()
+    ends = [line for line in log if "stream end:" in line and "unavailable: cursor store" in line]
+    assert ends, f"the stream did not end with the store's error: {log}"
+    at = datetime.datetime.strptime(ends[0][:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()  # the log's local time
+    took = at - hung
+    assert took < 8.0, f"the stream ended {took:.1f}s after Redis hung (one write timeout: 5 s)"
+    failures = [line for line in log if "the cursor write failed" in line]
+    assert len(failures) == 1, failures
