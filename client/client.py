@@ -55,6 +55,9 @@ _STATE_KEYS = ("version", "job", "rank", "world_size", "epoch", "step", "schedul
 _MAX_INDEX = 2**53 - 1
 _RECEIVE_LIMIT = 256 << 20  # far above any batch (a 49152-token batch frame is ~250 KiB)
 _BACKOFF_FIRST, _BACKOFF_MAX = 0.05, 2.0
+# with replicas, the longest one gets to connect before the next is tried (a frozen host accepts
+# TCP but never answers HTTP/2: it cost timeout / replicas, 30 s of the default 60)
+_CONNECT_TRY_S = 10.0
 # grpcio's connectivity thread watches a channel 0.2 s at a time after its last subscriber left
 _WATCH_ENDS_S = 0.25
 _MAX_TIMEOUT = 30 * 86400.0  # "wait for ever" enough for a trainer; gRPC's deadlines overflow far above it
@@ -731,6 +734,7 @@ class BatchClient:
         """The next batch or epoch end; with ``until_start``, return None once the stream has started."""
         deadline = time.monotonic() + self.timeout
         backoff = _BACKOFF_FIRST
+        silent = 0  # replicas that sent nothing within the timeout
         while True:
             stream = self._ensure_stream(deadline)
             try:
@@ -738,10 +742,20 @@ class BatchClient:
                 item = stream.fenced or stream.next(max(0.0, deadline - time.monotonic()))
             except queue.Empty:
                 self._drop_stream()
-                raise ServerUnavailableError(
+                silent += 1
+                quiet = ServerUnavailableError(
                     f"no batch from {self._address} within {self.timeout:.0f}s "
-                    f"(job {self.job!r}, rank {self.rank})"
-                ) from None
+                    f"(job {self.job!r}, rank {self.rank})",
+                    "UNAVAILABLE",
+                )
+                if silent >= len(self.servers):  # every replica had its turn
+                    raise quiet from None
+                # a replica that hangs (a frozen host: no reset comes back) is left like a dead one
+                self._server_index = (self._server_index + 1) % len(self.servers)
+                log.warning("rank %d: %s; trying the next replica, %s", self.rank, quiet, self._address)
+                deadline = time.monotonic() + self.timeout
+                self.reconnects += 1
+                continue
             if isinstance(item, tuple):
                 decoded, batch = item
                 self._check_batch(decoded)
@@ -849,14 +863,20 @@ class BatchClient:
         options = [
             ("grpc.max_receive_message_length", _RECEIVE_LIMIT),
             ("grpc.max_send_message_length", 4 << 20),
-            ("grpc.keepalive_time_ms", 20_000),
-            ("grpc.keepalive_timeout_ms", 10_000),
+            # a server that stops answering (a frozen host, a partition: no reset comes back)
+            # is noticed within 20 s, even while the window is full and nothing flows: a ping
+            # every 15 s (ladle's server allows one every 10 s) and 5 s for its answer. gRPC
+            # 1.5x+ times the answer with http2.ping_timeout_ms (one minute by default)
+            ("grpc.keepalive_time_ms", 15_000),
+            ("grpc.keepalive_timeout_ms", 5_000),
+            ("grpc.http2.ping_timeout_ms", 5_000),
+            ("grpc.http2.max_pings_without_data", 0),
         ]
         # with replicas, each gets a share of the time left before the next is tried
         tries = len(self.servers)
         while True:
             left = deadline - time.monotonic()
-            wait = left if tries <= 1 else min(left, max(1.0, left / tries))
+            wait = left if tries <= 1 else min(left, max(1.0, min(left / tries, _CONNECT_TRY_S)))
             if self._credentials is not None:
                 channel = grpc.secure_channel(self._address, self._credentials, options=options)
             else:

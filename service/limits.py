@@ -121,7 +121,7 @@ class Limits:
             ("grpc.http2.ping_timeout_ms", ms(self.keepalive_timeout_s)),
             ("grpc.keepalive_permit_without_calls", 1),
             ("grpc.http2.max_pings_without_data", 0),  # keep pinging a connection with no traffic
-            # Clients may ping every 10 s (BatchClient pings every 20 s); more often is a
+            # Clients may ping every 10 s (BatchClient pings every 15 s); more often is a
             # strike, and two strikes close the connection (GOAWAY ENHANCE_YOUR_CALM).
             ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
             ("grpc.http2.max_ping_strikes", 2),

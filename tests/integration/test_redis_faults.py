@@ -191,6 +191,38 @@ def test_three_replicas_one_killed_mid_epoch(
             client.close()
 
 
+def test_a_replica_that_hangs_is_left_for_the_next(
+    redis_server_factory: Callable[..., Any], server_factory: Factory, small_dataset: Path
+) -> None:
+    """A frozen replica (SIGSTOP: connected, silent, no reset) kept its trainer waiting its whole
+    timeout, then the trainer raised without ever trying the healthy replica."""
+    import signal
+
+    redis = redis_server_factory(appendonly=True)
+    replicas = [server_factory(extra=redis_args(redis.url)) for _ in range(2)]
+    addresses = ",".join(r.address for r in replicas)
+    sched = reference(small_dataset, 1)
+    half = sched.num_steps // 2
+    client = BatchClient(0, 1, addresses, "frozen-replica", timeout=4)  # rank 0 starts on replica 0
+    frozen = replicas[0].proc
+    assert frozen is not None
+    try:
+        got = consume(client, half)
+        client.state_dict()  # the held batch counts as consumed
+        os.kill(frozen.pid, signal.SIGSTOP)
+        began = time.monotonic()
+        got += consume(client)
+        assert client.reconnects >= 1, "the trainer did not leave the frozen replica"
+        assert time.monotonic() - began < 30, "the failover took longer than the timeout and a connect"
+        steps = [b["step"] for b in got]
+        assert steps == list(range(sched.num_steps)), "a gap or a duplicate"
+        for b in got:
+            assert np.array_equal(b["sample_ids"], sched.samples(b["step"], 0))
+    finally:
+        os.kill(frozen.pid, signal.SIGCONT)
+        client.close()
+
+
 def test_a_replaced_trainer_is_fenced_across_replicas(
     redis_server_factory: Callable[..., Any], server_factory: Factory
 ) -> None:
