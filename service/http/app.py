@@ -75,6 +75,12 @@ def _errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
     return {status: {"model": ErrorBody} for status in statuses}
 
 
+def _page_errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """The page's refusals: short HTML pages for a person (a 422 too), not the API's JSON."""
+    html = {"text/html": {"schema": {"type": "string"}}}
+    return {status: {"description": "an error page", "content": html} for status in statuses}
+
+
 _JOB_ERRORS = _errors(400, 401, 404, 409, 503)
 
 
@@ -84,15 +90,18 @@ def _retry_after(exc: LadleError) -> dict[str, str] | None:
     return {"Retry-After": str(seconds)} if isinstance(seconds, int) else None
 
 
-def _error_response(exc: LadleError, *, page: bool = False) -> JSONResponse:
+def _error_response(exc: LadleError, *, for_page: bool = False) -> Response:
+    """The refusal of ``exc``: an ``ErrorBody``, or for the page (``for_page``) a short HTML page."""
     status = HTTP_STATUS.get(exc.kind, 500)
-    body = ErrorBody(detail=str(exc), kind=exc.kind, field=getattr(exc, "field", None) or None)
     headers = None
     if status == 401:
         # a browser asks for the token as a password on the page; scripts send it as a bearer token
-        headers = {"WWW-Authenticate": 'Basic realm="ladle"' if page else 'Bearer realm="ladle"'}
+        headers = {"WWW-Authenticate": 'Basic realm="ladle"' if for_page else 'Bearer realm="ladle"'}
     if status == 503:
         headers = _retry_after(exc)
+    if for_page:
+        return HTMLResponse(page.render_error(exc), status_code=status, headers=headers)
+    body = ErrorBody(detail=str(exc), kind=exc.kind, field=getattr(exc, "field", None) or None)
     return JSONResponse(body.model_dump(), status_code=status, headers=headers)
 
 
@@ -166,8 +175,9 @@ def create_app(
     app.add_middleware(_CountErrors, metrics=metrics)
 
     @app.exception_handler(LadleError)
-    async def _ladle_error(request: Request, exc: LadleError) -> JSONResponse:
-        return _error_response(exc, page=request.url.path == "/")
+    async def _ladle_error(request: Request, exc: LadleError) -> Response:
+        # the page's own refusals (its token check among them) answer a person, in HTML
+        return _error_response(exc, for_page=request.url.path == "/")
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> Response:
@@ -200,16 +210,16 @@ def create_app(
         """The process is alive and answering."""
         return Health()
 
-    @app.get(
-        "/readyz",
-        tags=["health"],
-        responses={503: {"model": Readiness, "description": "the store cannot be reached"}},
-    )
-    def readyz() -> JSONResponse:
-        """Ready to serve: the dataset is open and the cursor store answers (else 503)."""
+    # HEAD too: some load balancers and uptime checkers probe with it (the status, no body)
+    @app.head("/healthz", tags=["health"], response_class=Response, operation_id="healthz_head")
+    async def healthz_head() -> Response:
+        """The process is alive and answering (200, no body)."""
+        return Response()
+
+    def readiness() -> Readiness:
         dataset_ok = inspector.dataset_ok()
         error = inspector.store_error()
-        body = Readiness.model_validate(
+        return Readiness.model_validate(
             {
                 "ready": dataset_ok and error is None,
                 "dataset": _dataset(inspector),
@@ -217,7 +227,27 @@ def create_app(
                 "store": {"ok": error is None, "store": repr(inspector.store), "error": error},
             }
         )
+
+    @app.get(
+        "/readyz",
+        tags=["health"],
+        responses={503: {"model": Readiness, "description": "the store cannot be reached"}},
+    )
+    def readyz() -> JSONResponse:
+        """Ready to serve: the dataset is open and the cursor store answers (else 503)."""
+        body = readiness()
         return JSONResponse(body.model_dump(), status_code=200 if body.ready else 503)
+
+    @app.head(
+        "/readyz",
+        tags=["health"],
+        response_class=Response,
+        operation_id="readyz_head",
+        responses={503: {"description": "not ready: GET says why"}},
+    )
+    def readyz_head() -> Response:
+        """Ready to serve (200) or not (503), as GET answers, without a body."""
+        return Response(status_code=200 if readiness().ready else 503)
 
     @app.get("/v1/jobs", tags=["jobs"], dependencies=protected, responses=_errors(401, 503))
     def list_jobs(
@@ -342,25 +372,25 @@ def create_app(
         "/",
         response_class=HTMLResponse,
         tags=["page"],
-        responses=_errors(400, 401, 404, 409, 503),
+        responses=_page_errors(400, 401, 404, 409, 422, 503),
         dependencies=protected,
     )
     def index(
         job: Annotated[str | None, Query(pattern=JOB_PATTERN)] = None,
         epoch: Epoch = None,
-        start: Annotated[int, Query(ge=0, le=MAX_INDEX)] = 0,
+        start: Annotated[
+            int | None, Query(ge=0, le=MAX_INDEX, description="default: the page holding the slowest rank")
+        ] = None,
         world_size: Annotated[
             int, Query(ge=1, le=1024, description="the preview's world size when there is no job")
         ] = page.PREVIEW_WORLD_SIZE,
-    ) -> HTMLResponse:
+    ) -> Response:
         """The page for people: the epoch's ribbon of buckets beside a random shuffle's, the bucket
         table, each rank's progress and lag (refreshed while the job runs)."""
         try:
             html = page.render(inspector, job=job, epoch=epoch, start=start, world_size=world_size)
         except LadleError as exc:
-            return HTMLResponse(
-                page.render_error(exc), status_code=HTTP_STATUS.get(exc.kind, 500), headers=_retry_after(exc)
-            )
+            return _error_response(exc, for_page=True)
         return HTMLResponse(html)
 
     return app

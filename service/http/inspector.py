@@ -22,7 +22,7 @@ from typing import Any, Final, Literal, TypeVar
 import numpy as np
 import numpy.typing as npt
 
-from ..errors import ConfigError, LadleError
+from ..errors import ConfigError, JobMismatchError, LadleError
 from ..jobs import Job, JobRegistry
 from ..schedule import Schedule
 from ..schedule.stats import BucketRow, LossFigures, Quality, bucket_table, quality, simulate_loss
@@ -37,6 +37,8 @@ __all__ = [
     "BatchTable",
     "Inspector",
     "Interleave",
+    "JobNotServedError",
+    "page_steps",
 ]
 
 Interleave = Literal["stride", "random"]
@@ -55,6 +57,26 @@ PREVIEW_WORLD_SIZE: Final = 8
 _EXACT_LAG_EPOCHS = 3
 
 
+class JobNotServedError(JobMismatchError):
+    """A job of another dataset or schedule config than this server's: it cannot derive its schedule.
+
+    The HTTP face's words for the store's ``JobMismatchError`` (same ``kind``,
+    a 409): nothing is resumed on a read, and the job may be healthy on its own
+    servers, so the advice is to look at it there, not to delete it.
+    """
+
+    def __init__(self, job: str, differences: tuple[tuple[str, str, str], ...]) -> None:
+        self.job = job
+        self.differences = differences
+        detail = "; ".join(f"{f}: the job's {old!r}, this server's {new!r}" for f, old, new in differences)
+        LadleError.__init__(
+            self,
+            f"job {job!r} runs on another dataset or schedule config than this server serves ({detail}), "
+            "so this server cannot derive its schedule: inspect it on a server started with the job's "
+            "dataset and config (the one its trainers connect to)",
+        )
+
+
 @dataclass(frozen=True)
 class BatchTable:
     """Per-batch figures of one epoch, each ``[num_steps, world_size]``."""
@@ -68,6 +90,12 @@ class BatchTable:
     def padding_efficiency(self) -> float:
         padded = int((self.rows * self.padded_len).sum())
         return round(int(self.real_tokens.sum()) / padded, 4) if padded else 0.0
+
+
+def page_steps(ranks: int, limit: int = DEFAULT_PAGE_STEPS, *, samples: bool = False) -> int:
+    """The steps a page of ``ranks`` ranks holds: ``limit``, lowered so it stays under the batch cap."""
+    cap = MAX_PAGE_BATCHES_WITH_SAMPLES if samples else MAX_PAGE_BATCHES
+    return max(1, min(limit, cap // max(ranks, 1)))
 
 
 class _Memo:
@@ -160,7 +188,10 @@ class Inspector:
         A job no stream of this server has opened is kept here among a few
         recent ones, so its schedules are built once however often it is shown.
         """
-        job = self.registry.view(state)
+        try:
+            job = self.registry.view(state)
+        except JobMismatchError as exc:
+            raise JobNotServedError(exc.job, exc.differences) from None
         if self.registry.get(state.job) is job:
             return job
         return self._jobs.get(("view", state.job, job.fingerprint, state.incarnation), lambda: job)
@@ -180,11 +211,15 @@ class Inspector:
         other = Job(job.name, job.dataset, config, job.world_size, job.store, plan=job.plan, cache=job.cache)
         return self._jobs.get(("job", other.fingerprint), lambda: other)
 
+    def slowest(self, job: Job, state: JobState | None) -> Position:
+        """The slowest rank's position, normalised (``(0, 0)`` for a preview)."""
+        if state is None or not state.ranks:
+            return Position(0, 0)
+        return min(job.normalise(r.position) for r in state.ranks)
+
     def epoch_of(self, job: Job, state: JobState | None) -> int:
         """The epoch the slowest rank is in (0 for a preview)."""
-        if state is None or not state.ranks:
-            return 0
-        return min(job.normalise(r.position) for r in state.ranks).epoch
+        return self.slowest(job, state).epoch
 
     # --- one epoch of a job ---
 
@@ -242,8 +277,7 @@ class Inspector:
         table = self.table(job, epoch)
         num_steps = int(table.buckets.shape[0])
         ranks = [rank] if rank is not None else list(range(job.world_size))
-        cap = MAX_PAGE_BATCHES_WITH_SAMPLES if samples else MAX_PAGE_BATCHES
-        steps = max(1, min(limit, cap // len(ranks)))
+        steps = page_steps(len(ranks), limit, samples=samples)
         first = min(start, num_steps)
         stop = min(num_steps, first + steps)
         cols = np.asarray(ranks, dtype=np.int64)
@@ -283,13 +317,18 @@ class Inspector:
     # --- where the ranks stand ---
 
     def cursor(self, job: Job, state: JobState) -> dict[str, Any]:
-        """Each rank's position (normalised), progress through its epoch, and lag behind the leader."""
+        """Each rank's position (normalised), progress through its epoch, and lag behind the leader.
+
+        ``last_seen`` and ``seen_ago_s`` are None for a rank no trainer has
+        joined yet (generation 0): a trainer that died at start-up shows as never seen.
+        """
         now = time.time()
         positions = [job.normalise(r.position) for r in state.ranks]
         lead = max(positions) if positions else Position(0, 0)
         ranks = []
         for r, pos in zip(state.ranks, positions, strict=True):
             steps = job.steps(pos.epoch)
+            joined = r.generation > 0
             ranks.append(
                 {
                     "rank": r.rank,
@@ -299,8 +338,9 @@ class Inspector:
                     "progress": round(pos.step / steps, 4) if steps else 1.0,
                     "lag_steps": self._steps_between(job, pos, lead),
                     "generation": r.generation,
-                    "last_seen": r.last_seen,
-                    "seen_ago_s": round(max(0.0, now - r.last_seen), 3),
+                    # the store's last_seen of a rank no trainer ever joined is the job's creation time
+                    "last_seen": r.last_seen if joined else None,
+                    "seen_ago_s": round(max(0.0, now - r.last_seen), 3) if joined else None,
                 }
             )
         return {

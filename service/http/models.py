@@ -168,8 +168,10 @@ class RankCursor(BaseModel):
     progress: float = Field(description="share of its epoch this rank has consumed")
     lag_steps: int = Field(description="steps behind the leading rank")
     generation: int = Field(description="the fencing token of the trainer process holding the rank")
-    last_seen: float = Field(description="unix time")
-    seen_ago_s: float
+    last_seen: float | None = Field(
+        description="unix time of its last join or cursor change; null: no trainer joined it (generation 0)"
+    )
+    seen_ago_s: float | None = Field(description="seconds since `last_seen`; null: never seen")
 
 
 class CursorReport(BaseModel):

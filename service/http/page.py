@@ -18,7 +18,7 @@ from ..jobs import Job
 from ..report import BUCKET_HEADER, bucket_cells
 from ..schedule.stats import LossFigures, Quality
 from ..store.base import JobState
-from .inspector import DEFAULT_PAGE_STEPS, PREVIEW_WORLD_SIZE, Inspector
+from .inspector import DEFAULT_PAGE_STEPS, PREVIEW_WORLD_SIZE, Inspector, page_steps
 
 __all__ = ["PREVIEW_WORLD_SIZE", "bucket_colour", "render", "render_error"]
 
@@ -139,7 +139,9 @@ def _rank_rows(cursor: dict[str, Any] | None) -> str:
     return "".join(rows)
 
 
-def _ago(seconds: float) -> str:
+def _ago(seconds: float | None) -> str:
+    if seconds is None:
+        return "never"
     if seconds < 60:
         return f"{seconds:.0f} s ago"
     if seconds < 3600:
@@ -167,17 +169,26 @@ def render(
     *,
     job: str | None = None,
     epoch: int | None = None,
-    start: int = 0,
+    start: int | None = None,
     world_size: int = PREVIEW_WORLD_SIZE,
 ) -> str:
-    """The whole page (raises ``LadleError`` for an unknown job or one this server cannot show)."""
+    """The whole page (raises ``LadleError`` for an unknown job or one this server cannot show).
+
+    Without ``epoch`` it shows the slowest rank's epoch, and without ``start``
+    the page of steps that holds the slowest rank (step 0 in another epoch),
+    so its red outline is in view.
+    """
     shown, state, states = _pick(inspector, job, world_size)
     preview = state is None
-    e = inspector.epoch_of(shown, state) if epoch is None else epoch
+    slowest = inspector.slowest(shown, state)
+    e = slowest.epoch if epoch is None else epoch
+    size = page_steps(shown.world_size, DEFAULT_PAGE_STEPS)
+    if start is None:
+        start = slowest.step - slowest.step % size if e == slowest.epoch else 0
     baseline = inspector.variant(shown, "random")
     mixed = shown.config.rank_mode == "mixed"
-    ours = inspector.page(shown, e, start=start, limit=DEFAULT_PAGE_STEPS)
-    theirs = inspector.page(baseline, e, start=start, limit=DEFAULT_PAGE_STEPS)
+    ours = inspector.page(shown, e, start=start, limit=size)
+    theirs = inspector.page(baseline, e, start=start, limit=size)
     buckets = inspector.buckets(shown, e)
     sched = inspector.schedule(shown, e)
     cursor = None if state is None else inspector.cursor(shown, state)
@@ -219,9 +230,9 @@ def render(
 
     pager = []
     if start > 0:
-        pager.append(
-            f'<a id="prev" href="{link(epoch=e, start=max(0, start - on_page))}">&larr; earlier steps</a>'
-        )
+        # a full page back, from the epoch's end at most: a page past the end leads to the last one
+        earlier = max(0, min(start, num_steps) - size)
+        pager.append(f'<a id="prev" href="{link(epoch=e, start=earlier)}">&larr; earlier steps</a>')
     if ours["next_start"] is not None:
         pager.append(f'<a id="next" href="{link(epoch=e, start=ours["next_start"])}">later steps &rarr;</a>')
     if e > 0:
@@ -293,10 +304,18 @@ def render(
 
 
 def render_error(exc: LadleError) -> str:
-    """A short page for a job that cannot be shown (unknown, or on another dataset or config)."""
+    """A short page for a refusal: a job that cannot be shown (unknown, or on another dataset or
+    config), a malformed parameter, a missing token."""
+    message = str(exc)
+    if exc.kind == "unauthenticated":
+        # the API's words name the bearer header and BatchClient; a person in a browser needs these
+        message = (
+            f"{message.partition(':')[0]}: this server needs its token. Give it as the password when "
+            "the browser asks (any user name), or open the page as http://ladle:TOKEN@HOST:PORT/."
+        )
     return (
         '<!doctype html><html lang="en"><head><meta charset="utf-8"><link rel="icon" href="data:,">'
-        f'<title>ladle: error</title></head><body><h1>ladle</h1><p id="error">{escape(str(exc))}</p>'
+        f'<title>ladle: error</title></head><body><h1>ladle</h1><p id="error">{escape(message)}</p>'
         '<p><a href="/">all jobs</a></p></body></html>'
     )
 
@@ -308,6 +327,7 @@ _SCRIPT: Final = """
   var status = document.getElementById("status");
 
   function ago(s) {
+    if (s === null) return "never";
     if (s < 60) return s.toFixed(0) + " s ago";
     if (s < 3600) return (s / 60).toFixed(0) + " min ago";
     return (s / 3600).toFixed(1) + " h ago";
@@ -342,8 +362,9 @@ _SCRIPT: Final = """
 
   function poll() {
     if (document.hidden) { window.setTimeout(poll, state.poll_ms); return; }
-    var url = state.job === null ? "/v1/jobs" : "/v1/jobs/" + encodeURIComponent(state.job) + "/cursor";
-    fetch(url, {cache: "no-store"}).then(function (response) {
+    // from the origin: a page opened as http://user:TOKEN@host/ must not fetch a URL with credentials
+    var path = state.job === null ? "/v1/jobs" : "/v1/jobs/" + encodeURIComponent(state.job) + "/cursor";
+    fetch(window.location.origin + path, {cache: "no-store"}).then(function (response) {
       if (!response.ok) throw new Error("HTTP " + response.status);
       return response.json();
     }).then(function (doc) {

@@ -45,6 +45,16 @@ def ok(server: ServerProcess, path: str) -> Any:
     return body
 
 
+def head(server: ServerProcess, path: str) -> tuple[int, bytes]:
+    """(status, body) of a HEAD request; 4xx and 5xx are returned, not raised."""
+    request = urllib.request.Request(server.http_url + path, method="HEAD")
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return response.status, response.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+
+
 def metrics(server: ServerProcess) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     """Every sample of /metrics, parsed by prometheus-client's own parser."""
     with urllib.request.urlopen(server.http_url + "/metrics", timeout=30) as response:
@@ -74,6 +84,8 @@ def wait_for_cursor(server: ServerProcess, job: str, steps: list[int]) -> dict[s
 
 def test_health_ready_and_no_jobs_yet(module_server: ServerProcess) -> None:
     assert ok(module_server, "/healthz") == {"status": "ok"}
+    for path in ("/healthz", "/readyz"):
+        assert head(module_server, path) == (200, b""), f"HEAD {path}"
     ready = ok(module_server, "/readyz")
     assert ready["ready"], ready
     assert ready["dataset_ok"]
@@ -330,6 +342,8 @@ def test_readyz_is_503_when_the_store_is_down(server_factory: Factory, redis_ser
     assert not body["ready"]
     assert not body["store"]["ok"]
     assert body["store"]["error"]
+    assert head(server, "/readyz") == (503, b""), "HEAD /readyz"
+    assert head(server, "/healthz") == (200, b"")
     status, body = get(server, "/v1/jobs")
     assert status == 503
     assert body["kind"] == "unavailable"

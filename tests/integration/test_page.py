@@ -140,3 +140,26 @@ def test_the_page_in_chromium(
             client.close()
     errors = [entry for entry in browser.get_log("browser") if entry["level"] in ("SEVERE", "WARNING")]
     assert not errors, f"the browser console shows errors: {errors}"
+
+
+def test_the_page_opened_with_the_token_in_its_url_keeps_refreshing(
+    browser: Any, server_factory: Callable[..., ServerProcess], tmp_path: Path
+) -> None:
+    """http://ladle:TOKEN@host/ (a kiosk, a dashboard): its refreshes fetch no URL with credentials."""
+    token = "page-token-" + "K3y9Lm2Qx7Vb5Nw8"
+    (tmp_path / "tokens").write_text(token + "\n")
+    server = server_factory(["--token-file", str(tmp_path / "tokens")])
+    job = "page-auth"
+    client = BatchClient(0, 1, server.address, job, timeout=30, token=token)
+    try:
+        take(client, 3)
+        browser.get(f"http://ladle:{token}@127.0.0.1:{server.http_port}/?job={job}")
+        assert browser.title == f"ladle: {job}", "the page did not open with the token in its URL"
+        wait_until(lambda: text(browser, "#rank-0 .pos") == "0:3", "the rank's position")
+        take(client, 4)
+        wait_until(lambda: text(browser, "#rank-0 .pos") == "0:7", "the page to refresh the rank's position")
+        assert text(browser, "#status").startswith("updated"), text(browser, "#status")
+    finally:
+        client.close()
+    errors = [entry for entry in browser.get_log("browser") if entry["level"] in ("SEVERE", "WARNING")]
+    assert not errors, f"the browser console shows errors: {errors}"

@@ -1,14 +1,17 @@
-"""The pieces behind the HTTP face, in process: page caps, lag, previews, colours and metrics."""
+"""The HTTP face in process: page caps, lag, previews, colours, metrics; the page's paging, refusals."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import numpy as np
 import pytest
+from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
 from ladle.service.errors import ConfigError
+from ladle.service.http import create_app
 from ladle.service.http import inspector as insp
 from ladle.service.http.page import bucket_colour
 from ladle.service.jobs import JobRegistry
@@ -141,3 +144,121 @@ def test_a_ranks_series_go_an_hour_after_its_last_stream(tmp_path: Path) -> None
     metrics.stream("new", 0)
     assert series() == {("held", "0"), ("new", "0")}, "an idle rank's series outlived the hour"
     assert held.streams == 1
+
+
+# --- the app in process: the page's paging, never-seen ranks, refusals, HEAD ---
+
+
+def started(inspector: insp.Inspector, job: str, steps: dict[int, int], world: int = 2) -> None:
+    """A job of ``world`` ranks whose ranks in ``steps`` joined and consumed that many steps of epoch 0."""
+    inspector.registry.open(job, world)
+    for rank, step in steps.items():
+        joined = inspector.store.join(job, rank, world)
+        inspector.store.advance(job, rank, joined.generation, Position(0, step))
+
+
+def pager(html: str) -> dict[str, int]:
+    """The pager's step links: {"prev": start, "next": start}."""
+    nav = re.search(r'<nav class="pager">(.*?)</nav>', html)
+    assert nav is not None, "no pager"
+    return {m[1]: int(m[2]) for m in re.finditer(r'id="(prev|next)" href="[^"]*start=(\d+)"', nav[1])}
+
+
+def ribbon_start(html: str) -> int:
+    found = re.search(r'<svg id="ribbon-ladle"[^>]* data-start="(\d+)"', html)
+    assert found is not None, "no ribbon"
+    return int(found[1])
+
+
+def test_earlier_steps_go_back_a_full_page_from_the_epochs_end_at_most(inspector: insp.Inspector) -> None:
+    started(inspector, "paged", {0: 0, 1: 0})
+    client = TestClient(create_app(inspector))
+    steps = inspector.job(inspector.state("paged")).steps(0)
+    size = insp.DEFAULT_PAGE_STEPS
+    assert steps > 2 * size
+
+    def links(start: int) -> dict[str, int]:
+        reply = client.get("/", params={"job": "paged", "start": start})
+        assert reply.status_code == 200, reply.text
+        return pager(reply.text)
+
+    assert links(size) == {"prev": 0, "next": 2 * size}
+    assert links(steps - 50) == {"prev": steps - 50 - size}, "a short last page goes back less than a page"
+    assert links(10**6) == {"prev": steps - size}, "a page past the end does not lead back to the last"
+    assert links(steps) == {"prev": steps - size}
+    assert links(30) == {"prev": 0, "next": 30 + size}
+
+
+def test_the_page_opens_where_the_slowest_rank_is(inspector: insp.Inspector) -> None:
+    size = insp.DEFAULT_PAGE_STEPS
+    started(inspector, "midway", {0: 2 * size + 70, 1: 2 * size + 30})
+    client = TestClient(create_app(inspector))
+    html = client.get("/", params={"job": "midway"}).text
+    assert ribbon_start(html) == 2 * size, "the page does not open at the slowest rank's page"
+    assert pager(html) == {"prev": size, "next": 3 * size}
+    assert ribbon_start(client.get("/").text) == 2 * size, "the default job's page neither"
+    assert ribbon_start(client.get("/", params={"job": "midway", "start": 0}).text) == 0, "start=0 ignored"
+    assert ribbon_start(client.get("/", params={"job": "midway", "epoch": 1}).text) == 0
+    assert ribbon_start(client.get("/", params={"job": "midway", "epoch": 0}).text) == 2 * size
+
+
+def test_a_rank_no_trainer_joined_was_never_seen(inspector: insp.Inspector) -> None:
+    started(inspector, "half", {0: 3})
+    client = TestClient(create_app(inspector))
+    reply = client.get("/v1/jobs/half/cursor")
+    assert reply.status_code == 200, reply.text
+    ranks = reply.json()["ranks"]
+    assert ranks[1]["generation"] == 0
+    assert (ranks[1]["last_seen"], ranks[1]["seen_ago_s"]) == (None, None), "a rank never joined was seen"
+    assert ranks[0]["last_seen"] is not None
+    assert ranks[0]["seen_ago_s"] < 60
+    html = client.get("/", params={"job": "half"}).text
+    assert re.search(r'<tr id="rank-1">.*?<td class="seen">never</td>', html), "the page says it was seen"
+    assert re.search(r'<tr id="rank-0">.*?<td class="seen">\d+ s ago</td>', html)
+    assert 'if (s === null) return "never";' in html, "the page's refreshes show a time for never"
+
+
+def test_a_job_of_another_config_is_refused_without_advice_to_delete_it(inspector: insp.Inspector) -> None:
+    from ladle.service.store import JobSpec
+
+    inspector.store.open_job(JobSpec("elsewhere", "ds-test", "another-config", 2))
+    client = TestClient(create_app(inspector))
+    for path in ("/v1/jobs/elsewhere/cursor", "/v1/jobs/elsewhere/schedule", "/?job=elsewhere"):
+        reply = client.get(path)
+        assert reply.status_code == 409, path
+        text = reply.json()["detail"] if path.startswith("/v1") else reply.text
+        assert "cannot derive its schedule" in text, f"{path}: {text}"
+        assert "another dataset or schedule config" in text, f"{path}: {text}"
+        for advice in ("delete", "reset=True", "resume"):
+            assert advice not in text, f"{path} tells the reader to {advice}: {text}"
+    body = client.get("/v1/jobs/elsewhere/buckets").json()
+    assert body["kind"] == "failed_precondition"
+    assert set(body) == {"detail", "kind", "field"}
+
+
+def test_the_page_asks_a_browser_for_the_token_in_html(inspector: insp.Inspector) -> None:
+    from ladle.service.security import TokenCheck
+
+    client = TestClient(create_app(inspector, token=TokenCheck(["a-token-of-32-characters-or-more!"])))
+    page = client.get("/")
+    assert page.status_code == 401
+    assert page.headers["content-type"].startswith("text/html"), "a browser gets the API's JSON"
+    assert page.headers["www-authenticate"].startswith("Basic")
+    assert "password" in page.text
+    api = client.get("/v1/jobs")
+    assert api.status_code == 401
+    assert api.json()["kind"] == "unauthenticated"
+    assert api.headers["www-authenticate"].startswith("Bearer")
+    assert client.head("/healthz").status_code == 200, "HEAD needs a token"
+
+
+def test_health_and_readiness_answer_head(inspector: insp.Inspector, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(inspector, "dataset_ok", lambda: True)  # the fixture's dataset has no files
+    client = TestClient(create_app(inspector))
+    for path in ("/healthz", "/readyz"):
+        reply = client.head(path)
+        assert reply.status_code == 200, f"HEAD {path}: {reply.status_code}"
+        assert reply.content == b"", f"HEAD {path} has a body"
+    monkeypatch.setattr(inspector, "store_error", lambda: "the store is down")
+    assert client.head("/readyz").status_code == 503
+    assert client.get("/readyz").status_code == 503

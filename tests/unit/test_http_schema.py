@@ -19,6 +19,7 @@ from ladle.service.http import Inspector, create_app
 from ladle.service.jobs import JobRegistry
 from ladle.service.metrics import ServerMetrics
 from ladle.service.schedule import ScheduleConfig
+from ladle.service.security import TokenCheck
 from ladle.service.store import EmbeddedStore, JobSpec, Position
 from ladle.service.synth import make_dataset
 
@@ -26,7 +27,7 @@ CONFIG = ScheduleConfig(max_seq_len=256, bucket_bounds=(0, 40, 80, 257), token_b
 
 
 @pytest.fixture(scope="module")
-def api(tmp_path_factory: pytest.TempPathFactory) -> Any:
+def registry(tmp_path_factory: pytest.TempPathFactory) -> JobRegistry:
     root = tmp_path_factory.mktemp("http-schema")
     make_dataset(root / "ds", 600, seed=1, scale=1 / 32)
     dataset = open_dataset(root / "ds")
@@ -39,12 +40,21 @@ def api(tmp_path_factory: pytest.TempPathFactory) -> Any:
     registry.open("resized", 3)
     registry.open("resized", 2, elastic=True)
     store.open_job(JobSpec("elsewhere", "another-dataset", CONFIG.fingerprint(), 4))
-    app = create_app(Inspector(registry), ServerMetrics())
+    return registry
+
+
+def schema(registry: JobRegistry, token: TokenCheck | None = None) -> Any:
+    app = create_app(Inspector(registry), ServerMetrics(), token)
     # A rank past the job's world size is schema-valid (the range depends on the job) and gets a 400.
     config = schemathesis.config.SchemathesisConfig.from_dict(
         {"checks": {"positive_data_acceptance": {"expected-statuses": ["2xx", "400", "404", "409"]}}}
     )
     return schemathesis.openapi.from_asgi("/openapi.json", app, config=config)
+
+
+@pytest.fixture(scope="module")
+def api(registry: JobRegistry) -> Any:
+    return schema(registry)
 
 
 JOBS = ["run-42", "resized", "elsewhere"]
@@ -80,6 +90,32 @@ def test_answers_match_the_schema(api: Any, path: str) -> None:
             case.path_parameters["job"] = job
         if job is not None and "job" in (case.query or {}):
             case.query["job"] = job
+        case.call_and_validate()
+
+    check()
+
+
+def test_the_page_documents_its_errors_as_html(api: Any) -> None:
+    responses = api.raw_schema["paths"]["/"]["get"]["responses"]
+    kinds = {status: sorted(r.get("content", {})) for status, r in responses.items()}
+    assert kinds == {s: ["text/html"] for s in ("200", "400", "401", "404", "409", "422", "503")}, kinds
+
+
+def test_the_pages_refusals_match_the_schema(api: Any, registry: JobRegistry) -> None:
+    """The page's errors are HTML pages, as its document says: a 422, a 404, a 409, and a 401."""
+    operation = api["/"]["GET"]
+    for query in ({"world_size": 0}, {"start": -1}, {"job": "bad name"}, {"job": "no-such-job"}):
+        operation.Case(query=query).call_and_validate()
+    operation.Case(query={"job": "elsewhere"}).call_and_validate()
+    behind_a_token = schema(registry, TokenCheck(["a-token-of-32-characters-or-more!"]))
+    refused = behind_a_token["/"]["GET"].Case().call_and_validate()
+    assert refused.status_code == 401
+    assert refused.headers["content-type"][0].startswith("text/html"), "a browser gets the API's JSON"
+    assert refused.headers["www-authenticate"][0].startswith("Basic"), "no password prompt"
+
+    @given(case=operation.as_strategy(schemathesis.GenerationMode.NEGATIVE))
+    @settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck))
+    def check(case: Any) -> None:
         case.call_and_validate()
 
     check()
