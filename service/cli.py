@@ -36,6 +36,11 @@ __all__ = ["build_parser", "main"]
 # than typed on a command line that `ps` shows, and never printed unredacted.
 REDIS_URL_ENV = "LADLE_REDIS_URL"
 DEFAULT_STATE = ".ladle/state.db"
+# The client certificate's files, as BatchClient reads them (mutual TLS).
+TLS_CERT_ENV: Final = "LADLE_TLS_CERT"
+TLS_KEY_ENV: Final = "LADLE_TLS_KEY"
+# `ladle inspect` names this many of a store's jobs, the most recently updated first.
+SHOWN_JOBS: Final = 5
 # `ladle jobs --delete` refuses a job with a rank seen this recently: its trainers are
 # probably still streaming, and the server they stream from would re-create the job.
 LIVE_WINDOW_S = 300.0
@@ -159,6 +164,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--token-file", metavar="FILE", help="the server's token (default: $LADLE_TOKEN_FILE, $LADLE_TOKEN)"
     )
     inspect.add_argument("--tls-ca", metavar="PEM", help="verify an https:// server against this CA")
+    inspect.add_argument(
+        "--tls-cert",
+        metavar="PEM",
+        help="mutual TLS: the client certificate a server with --tls-client-ca asks for "
+        f"(default: ${TLS_CERT_ENV})",
+    )
+    inspect.add_argument("--tls-key", metavar="PEM", help=f"its private key (default: ${TLS_KEY_ENV})")
 
     make = sub.add_parser(
         "make-dataset", help="write a tokenized dataset: synthetic (production length mix) or real text"
@@ -385,14 +397,15 @@ def _inspect(args: argparse.Namespace) -> int:
         args.epoch,
         token=tokens[0] if tokens else None,
         cafile=args.tls_ca,
+        certfile=args.tls_cert or os.environ.get(TLS_CERT_ENV) or None,
+        keyfile=args.tls_key or os.environ.get(TLS_KEY_ENV) or None,
     )
     if args.json:
         print(json.dumps(doc, indent=2))
         return 0
     ds = doc["dataset"]
     print(f"server {doc['server']}: dataset {ds['path']}, {ds['rows']} rows, fingerprint {ds['fingerprint']}")
-    names = [j["job"] + ("" if j["served"] else " (other dataset or config)") for j in doc["jobs"]]
-    print(f"jobs: {', '.join(names) if names else 'none yet'}")
+    print(format_job_names(doc["jobs"]))
     job = doc["job"]
     if job is None:
         return 0
@@ -414,15 +427,44 @@ def _inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def format_job_names(jobs: Sequence[dict[str, Any]]) -> str:
+    """The ``jobs:`` line of ``ladle inspect``: how many, and a few names of each kind, newest first.
+
+    A store of thousands of jobs gives at most two short lines, not every
+    name; when none runs on this server's dataset and config, it says so.
+    """
+    if not jobs:
+        return "jobs: none yet"
+    newest = sorted(jobs, key=lambda j: (j.get("updated") or 0.0, j["job"]), reverse=True)
+    served = [j["job"] for j in newest if j["served"]]
+    other = [j["job"] for j in newest if not j["served"]]
+    ours = f"{len(served)} on this server's dataset and config" + (f": {_some(served)}" if served else "")
+    if not other:
+        return f"jobs: {ours}"
+    theirs = f"{len(other)} of another dataset or config: {_some(other)}"
+    if not served:
+        return f"jobs: none on this server's dataset and config; {theirs}"
+    return f"jobs: {ours}\n      {theirs}"
+
+
+def _some(names: Sequence[str]) -> str:
+    """At most ``SHOWN_JOBS`` names (the most recently updated), then how many more."""
+    shown = ", ".join(names[:SHOWN_JOBS])
+    return shown + (f" and {len(names) - SHOWN_JOBS} more" if len(names) > SHOWN_JOBS else "")
+
+
 def format_cursor(cursor: dict[str, Any]) -> str:
-    """Each rank's position, progress through its epoch, lag behind the leader, last seen, generation."""
+    """Each rank's position, progress through its epoch, lag behind the leader, last seen, generation.
+
+    A rank that never connected (``last_seen``/``seen_ago_s`` null) shows "never".
+    """
     rows = [
         [
             str(r["rank"]),
             f"{r['epoch']}:{r['step']}",
             f"{100 * r['progress']:.1f}% of {r['steps_in_epoch']}",
             str(r["lag_steps"]),
-            f"{r['seen_ago_s']:.0f}s ago",
+            _seen(r),
             str(r["generation"]),
         ]
         for r in cursor["ranks"]
@@ -431,6 +473,11 @@ def format_cursor(cursor: dict[str, Any]) -> str:
     return f"ranks (leader at {lead['epoch']}:{lead['step']})\n" + _table(
         ["rank", "epoch:step", "progress", "lag (steps)", "last seen", "generation"], rows
     )
+
+
+def _seen(rank: dict[str, Any]) -> str:
+    ago = rank.get("seen_ago_s")
+    return "never" if ago is None or rank.get("last_seen", ago) is None else f"{ago:.0f}s ago"
 
 
 def _add_store_options(parser: argparse.ArgumentParser | argparse._MutuallyExclusiveGroup) -> None:
@@ -584,6 +631,14 @@ def format_jobs(jobs: Sequence[Any]) -> str:
 
 
 def _make_dataset(args: argparse.Namespace) -> int:
+    try:
+        return _write_dataset(args)
+    except OSError as exc:  # the sources' read errors are LadleErrors already: this one is the writing
+        where = f" ({exc.filename})" if exc.filename and os.fspath(exc.filename) != args.out else ""
+        raise ConfigError("out", f"cannot write {args.out}: {exc.strerror or exc}{where}") from None
+
+
+def _write_dataset(args: argparse.Namespace) -> int:
     began = time.perf_counter()
     if args.from_text:
         from .text import make_text_dataset

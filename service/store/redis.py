@@ -34,7 +34,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, Final, NoReturn
-from urllib.parse import quote, unquote, urlsplit
+from urllib.parse import quote, unquote, unquote_plus, urlsplit
 
 import redis
 import redis.exceptions as rex
@@ -219,7 +219,13 @@ return existed
 
 
 def redact_url(url: str) -> str:
-    """``url`` with its password (in the userinfo or a ``password=`` query value) replaced by ``***``."""
+    """``url`` with every password in it replaced by ``***``.
+
+    That is the userinfo's password and the value of every query parameter
+    whose name contains ``password`` (``password=``, ``ssl_password=``, in any
+    case or %-encoding): redis-py hands unknown query keys to the connection,
+    so any of them may carry a secret.
+    """
     try:
         parts = urlsplit(url)
     except ValueError:
@@ -230,12 +236,18 @@ def redact_url(url: str) -> str:
         if ":" in userinfo:
             user = userinfo.split(":", 1)[0]
             netloc = f"{user}:***@{hostinfo}"
-    query = re.sub(r"(?i)(^|&)(password=)[^&]*", r"\1\2***", parts.query)
+    query = "&".join(_redact_parameter(p) for p in parts.query.split("&")) if parts.query else ""
     # Rebuilt by hand: urlunsplit drops the empty authority of unix:///path.
     text = f"{parts.scheme}://{netloc}{parts.path}" if parts.scheme else url
     if query:
         text += f"?{query}"
     return text + (f"#{parts.fragment}" if parts.fragment else "")
+
+
+def _redact_parameter(parameter: str) -> str:
+    """One ``name=value`` of a query; its value is ``***`` if the decoded name holds ``password``."""
+    name, sep, _ = parameter.partition("=")
+    return f"{name}=***" if sep and "password" in unquote_plus(name).lower() else parameter
 
 
 def _url_password(url: str) -> str | None:

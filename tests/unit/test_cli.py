@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from ladle.service.cli import main
+from ladle.service.cli import format_cursor, format_job_names, main
 from tests.support.pipes import into_closed_pipe
 
 
@@ -156,3 +156,75 @@ def test_help_names_every_command_and_the_defaults(capsys: pytest.CaptureFixture
     for default in ("(default: 50051)", "(default: 8080)", "(default: .ladle/state.db)", "(default: 5)"):
         assert default in serve, f"ladle serve --help does not show {default}"
     assert "(default: 1.0)" in _help(capsys, "make-dataset")
+
+
+def test_make_dataset_where_it_cannot_write_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["make-dataset", "/proc/ladle-nope/sample", "--rows", "10"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("ladle: error: out: cannot write /proc/ladle-nope/sample: "), err
+    assert err.count("\n") == 1, f"not one line: {err!r}"
+
+
+def test_make_dataset_into_a_folder_it_may_not_write(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # what uid 10001 gets in a root-owned volume (the tests may run as root, who may write anywhere)
+    from ladle.service import synth
+
+    def refused(out: str, *args: object, **kwargs: object) -> None:
+        raise PermissionError(13, "Permission denied", str(tmp_path / ".sample.ladle-write-x"))
+
+    monkeypatch.setattr(synth, "make_dataset", refused)
+    assert main(["make-dataset", str(tmp_path / "sample"), "--rows", "10"]) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        f"ladle: error: out: cannot write {tmp_path / 'sample'}: Permission denied "
+        f"({tmp_path / '.sample.ladle-write-x'})\n"
+    ), err
+
+
+def rank(number: int, seen: float | None) -> dict[str, object]:
+    return {
+        "rank": number, "epoch": 0, "step": 2 if seen is not None else 0, "progress": 0.0,
+        "steps_in_epoch": 464, "lag_steps": 0 if seen is not None else 2, "generation": int(seen is not None),
+        "last_seen": None if seen is None else 1796158935.3 - seen, "seen_ago_s": seen,
+    }  # fmt: skip
+
+
+def test_the_cursor_shows_a_rank_that_never_connected_as_never() -> None:
+    text = format_cursor({"ranks": [rank(0, 3.4), rank(1, None)], "leader": {"epoch": 0, "step": 2}})
+    rows = text.splitlines()[3:]
+    assert rows[0].split()[-3:] == ["3s", "ago", "1"], rows[0]
+    assert rows[1].split()[-2:] == ["never", "0"], f"a rank that never connected: {rows[1]!r}"
+
+
+def listed(name: str, updated: float, served: bool) -> dict[str, object]:
+    return {"job": name, "updated": updated, "served": served}
+
+
+def test_inspect_names_a_few_jobs_of_a_big_store_newest_first() -> None:
+    others = [listed(f"many-{i:04d}", 1000.0 + i, False) for i in range(150)]
+    text = format_job_names([listed("late-job", 10.0, False), *others])
+    assert text == (
+        "jobs: none on this server's dataset and config; 151 of another dataset or config: "
+        "many-0149, many-0148, many-0147, many-0146, many-0145 and 146 more"
+    ), text
+    mixed = format_job_names([listed("run-42", 5.0, True), listed("old", 1.0, True), *others])
+    assert mixed.splitlines() == [
+        "jobs: 2 on this server's dataset and config: run-42, old",
+        "      150 of another dataset or config: many-0149, many-0148, many-0147, many-0146, many-0145 "
+        "and 145 more",
+    ], mixed
+    assert format_job_names([]) == "jobs: none yet"
+    assert max(len(line) for line in mixed.splitlines()) < 200, "one line of every job name"
+
+
+def test_inspect_help_has_the_client_certificate(capsys: pytest.CaptureFixture[str]) -> None:
+    text = _help(capsys, "inspect")
+    for option in (
+        "--tls-cert PEM",
+        "(default: $LADLE_TLS_CERT)",
+        "--tls-key PEM",
+        "(default: $LADLE_TLS_KEY)",
+    ):
+        assert option in text, f"ladle inspect --help lacks {option}"

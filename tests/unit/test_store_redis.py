@@ -281,6 +281,16 @@ def test_redact_url() -> None:
     assert redact_url("redis://h:1") == "redis://h:1"
 
 
+def test_redact_url_hides_every_password_parameter() -> None:
+    # redis-py passes unknown query keys on: ssl_password is the client key's passphrase
+    assert redact_url("rediss://h/0?ssl_password=pw7secret") == "rediss://h/0?ssl_password=***"
+    # any case, %-encoded names; other parameters and a bare name are kept
+    url = "rediss://:pw@h/0?ssl_ca_certs=/ca.pem&SSL_Password=pw2&ssl%5Fpassword=pw3&db=1&password"
+    assert redact_url(url) == (
+        "rediss://:***@h/0?ssl_ca_certs=/ca.pem&SSL_Password=***&ssl%5Fpassword=***&db=1&password"
+    ), "a password parameter was not redacted"
+
+
 def test_tls_to_a_plain_server_fails_cleanly(redis_server: RedisServer) -> None:
     began = time.perf_counter()
     with pytest.raises(StoreUnavailableError):
