@@ -12,6 +12,7 @@ from typing import ClassVar
 __all__ = [
     "BinaryFileError",
     "CheckpointMismatchError",
+    "CheckpointPositionError",
     "ConfigError",
     "CursorRegressionError",
     "DatasetChangedError",
@@ -258,6 +259,12 @@ class CheckpointMismatchError(StoreError):
     """
 
     reason = "schedule_mismatch"
+
+
+class CheckpointPositionError(CheckpointMismatchError):
+    """A loaded checkpoint's position is not the job's (a step past its epoch's end): a bad argument."""
+
+    kind = "invalid_argument"
 
 
 class WorldSizeMismatchError(StoreError):

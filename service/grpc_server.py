@@ -35,7 +35,13 @@ from ladle.proto import codec, rpc
 from ladle.proto import ladle_pb2 as pb
 
 from .assemble import Assembler
-from .errors import CheckpointMismatchError, ConfigError, FencedError, JobNotFoundError, LadleError
+from .errors import (
+    CheckpointPositionError,
+    ConfigError,
+    FencedError,
+    JobNotFoundError,
+    LadleError,
+)
 from .jobs import Job, JobRegistry
 from .limits import Limits
 from .metrics import ServerMetrics, StreamMeter
@@ -576,7 +582,7 @@ class BatchServicer:
                 given = job.normalise(given, hot=True)
             except ConfigError as exc:
                 message = f"the loaded state is not a position of this job: {exc}"
-                raise CheckpointMismatchError(message) from None
+                raise CheckpointPositionError(message) from None
         joined = job.join(o.rank)
         if given is None and not o.own_cursor:
             given = self._job_cursor(job, o.rank, joined)

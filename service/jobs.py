@@ -26,6 +26,7 @@ import numpy.typing as npt
 from .dataset import TokenDataset
 from .errors import (
     CheckpointMismatchError,
+    CheckpointPositionError,
     ConfigError,
     JobNotFoundError,
     ScheduleBusyError,
@@ -560,7 +561,7 @@ class JobRegistry:
                 cut = (old.normalise(checkpoint[0], hot=True),) * old_size
             except ConfigError as exc:
                 message = f"the loaded state is not a position of job {name!r}: {exc}; the job is unchanged"
-                raise CheckpointMismatchError(message) from None
+                raise CheckpointPositionError(message) from None
         state = self.store.resize(name, old_size, new_size, cut)
         if state.plan and len(state.plan) > len(old.plan):
             last = state.plan[-1].cut
