@@ -22,6 +22,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from .errors import StoreUnavailableError
 from .store.base import CursorStore, JobSpec, JobState, Position, RankState, Resize
 
 __all__ = [
@@ -235,6 +236,11 @@ class ServerMetrics:
         return generate_latest(self.registry)
 
 
+# the operations that write; one refused as unavailable keeps ping() failing this long, or until one succeeds
+_WRITES: Final = frozenset({"open_job", "resize", "reconcile", "join", "advance", "rewind", "delete_job"})
+WRITE_FAILURE_S: Final = 10.0
+
+
 class TimedStore(CursorStore):
     """A cursor store that times each operation into ``ladle_store_seconds{op}``.
 
@@ -247,13 +253,22 @@ class TimedStore(CursorStore):
         super().__init__()
         self.inner = inner
         self._seconds = metrics.store_seconds
+        # the last write the store refused as unavailable (monotonic time, why), until one succeeds
+        self._write_failed: tuple[float, str] | None = None
 
     def _timed(self, op: str, call: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         began = time.perf_counter()
         try:
-            return call(*args, **kwargs)
+            out = call(*args, **kwargs)
+        except StoreUnavailableError as exc:
+            if op in _WRITES:
+                self._write_failed = (time.monotonic(), str(exc))
+            raise
         finally:
             self._seconds.labels(op).observe(time.perf_counter() - began)
+        if op in _WRITES:
+            self._write_failed = None
+        return out
 
     def _open_job(
         self, spec: JobSpec, *, reset: bool, incarnation: str, plan: tuple[Resize, ...]
@@ -297,7 +312,12 @@ class TimedStore(CursorStore):
         return bool(self._timed("delete_job", self.inner._delete_job, job))
 
     def _ping(self) -> None:
+        """The store answers, and takes writes: one that answers PING but refuses every write (a
+        Redis at maxmemory with noeviction) stops every stream, so it is not ready either."""
         self._timed("ping", self.inner._ping)
+        failed = self._write_failed
+        if failed is not None and time.monotonic() - failed[0] < WRITE_FAILURE_S:
+            raise StoreUnavailableError(f"its writes fail ({failed[1]})")
 
     def close(self) -> None:
         self.inner.close()

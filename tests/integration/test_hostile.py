@@ -601,3 +601,55 @@ def test_a_hung_redis_ends_a_stream_after_one_write_timeout_with_one_log_line(
     assert took < 8.0, f"the stream ended {took:.1f}s after Redis hung (one write timeout: 5 s)"
     failures = [line for line in log if "the cursor write failed" in line]
     assert len(failures) == 1, failures
+
+
+def test_readiness_answers_within_a_second_while_redis_hangs(
+    redis_server_factory: Callable[..., Any], server_factory: Factory
+) -> None:
+    """/readyz waited out the store's 5 s socket timeout: a probe's own timeout (1 s) expired first."""
+    redis = redis_server_factory()
+    server = server_factory(extra=["--redis-url", redis.url])
+    assert http_get(server, "/readyz")[0] == 200
+    os.kill(redis.pid, signal.SIGSTOP)
+    try:
+        for _ in range(3):  # the second and third wait on the first one's ping, still in flight
+            began = time.monotonic()
+            status, body = http_get(server, "/readyz")
+            took = time.monotonic() - began
+            assert status == 503, body
+            assert took < 2.5, f"/readyz took {took:.1f}s with Redis hung"
+            assert b"did not answer within 1 s" in body, body
+    finally:
+        os.kill(redis.pid, signal.SIGCONT)
+    deadline = time.monotonic() + 15
+    while http_get(server, "/readyz")[0] != 200:
+        assert time.monotonic() < deadline, "/readyz did not come back with Redis"
+        time.sleep(0.2)
+
+
+def test_readiness_is_503_while_redis_refuses_every_write(
+    redis_server_factory: Callable[..., Any], server_factory: Factory
+) -> None:
+    """A Redis at maxmemory with noeviction answers PING but refuses every write: streams end, and
+    /readyz said ready (200), so the Service kept sending trainers to this replica."""
+    redis = redis_server_factory(extra_args=("--maxmemory", "4mb", "--maxmemory-policy", "noeviction"))
+    server = server_factory(extra=["--redis-url", redis.url])
+    with redis.client() as plain:
+        filler = "x" * 1000
+        try:
+            for i in range(20_000):
+                plain.set(f"junk:{i}", filler)
+        except Exception:
+            pass  # full: "OOM command not allowed when used memory > 'maxmemory'"
+        with (
+            BatchClient(0, 1, server.address, "full-redis", timeout=3) as client,
+            pytest.raises(BatchClientError),
+        ):
+            next(iter(client))  # its join is refused
+        status, body = http_get(server, "/readyz")
+        assert status == 503, body
+        assert b"its writes fail" in body, body
+        plain.delete(*[f"junk:{i}" for i in range(20_000)])  # room again
+    with BatchClient(0, 1, server.address, "full-redis", timeout=30) as client:
+        assert next(iter(client)).step == 0  # a write succeeds again
+    assert http_get(server, "/readyz")[0] == 200
