@@ -39,6 +39,8 @@ DEFAULT_STATE = ".ladle/state.db"
 # The client certificate's files, as BatchClient reads them (mutual TLS).
 TLS_CERT_ENV: Final = "LADLE_TLS_CERT"
 TLS_KEY_ENV: Final = "LADLE_TLS_KEY"
+# The shortest --job-ttl: a job must outlive a trainer's pause (an evaluation, a slow checkpoint).
+MIN_JOB_TTL_S: Final = 60.0
 # `ladle inspect` names this many of a store's jobs, the most recently updated first.
 SHOWN_JOBS: Final = 5
 # `ladle jobs --delete` refuses a job with a rank seen this recently: its trainers are
@@ -367,6 +369,13 @@ def _serve(args: argparse.Namespace) -> int:
     from .server import BatchServer, serve_forever
 
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if 0 < args.job_ttl < MIN_JOB_TTL_S:
+        # a job expires between two writes of a trainer that pauses (an evaluation, a slow checkpoint)
+        raise ConfigError(
+            "job_ttl",
+            f"--job-ttl {args.job_ttl:g} s is shorter than {MIN_JOB_TTL_S:.0f} s: a job would be forgotten "
+            "while its trainers pause; give at least that, or 0 to keep jobs forever",
+        )
     server = BatchServer(
         args.dataset,
         config_from_args(args),

@@ -51,6 +51,8 @@ from .store.base import Position, RankState
 __all__ = ["ACK_FLUSH_SECONDS", "STORE_WRITERS", "BatchServicer", "StreamAbortedError", "status_of"]
 
 log = logging.getLogger("ladle.server")
+# a rank with no checkpoint that starts further than this behind another is named in a warning
+FAR_BEHIND_STEPS = 64
 
 ACK_FLUSH_SECONDS = 0.05
 # Threads that write streams' cursors to the store (each stream has at most one write in flight).
@@ -219,7 +221,7 @@ class _Session:
             self._reconcile(target, f"it holds generation {exc.current} for a process of {exc.generation}")
         except JobNotFoundError:
             store.open_job(self.job.spec, incarnation=self.job.incarnation or None, plan=self.job.plan)
-            self._reconcile(target, "the job was gone")
+            self._reconcile(target, "the job was gone: expired by --job-ttl, deleted, or lost by the store")
         return target
 
     def _written(self, done: asyncio.Future[Position]) -> None:
@@ -584,9 +586,12 @@ class BatchServicer:
                 message = f"the loaded state is not a position of this job: {exc}"
                 raise CheckpointPositionError(message) from None
         joined = job.join(o.rank)
-        if given is None and not o.own_cursor:
+        aligned = given is None and not o.own_cursor  # no checkpoint: the job's cursor
+        if aligned:
             given = self._job_cursor(job, o.rank, joined)
         start = job.normalise(given if given is not None else joined.position, hot=True)
+        if aligned:
+            self._warn_far_behind(job, o.rank, start)
         lost = self._lost_writes(o, job, joined.generation)
         if lost:
             generation = max(joined.generation, o.resume.generation + 1)
@@ -616,6 +621,26 @@ class BatchServicer:
         )
         session.stored = joined.position
         return session
+
+    @staticmethod
+    def _warn_far_behind(job: Job, rank: int, start: Position) -> None:
+        """Say so when a rank with no checkpoint starts an epoch or more behind another (the store lost
+        its position, or a job expired while one rank was away): it replays what it trained."""
+        ahead = [(job.normalise(r.position, hot=True), r.rank) for r in job.state().ranks if r.rank != rank]
+        if not ahead:
+            return
+        lead, leader = max(ahead)
+        if lead.epoch > start.epoch or lead.step - start.step > FAR_BEHIND_STEPS:
+            log.warning(
+                "job %s rank %d starts at %s with no checkpoint, behind rank %d at %s: the store holds no "
+                "later position of it (lost, or never written); if it trained before, resume it with "
+                "load_state_dict from its checkpoint",
+                job.name,
+                rank,
+                start,
+                leader,
+                lead,
+            )
 
     @staticmethod
     def _job_cursor(job: Job, rank: int, joined: RankState) -> Position | None:

@@ -27,6 +27,7 @@ generation above the stored one, a lost job's ``incarnation``).
 
 from __future__ import annotations
 
+import logging
 import math
 import re
 import threading
@@ -61,6 +62,8 @@ from .base import (
 )
 
 __all__ = ["RedisCursorStore", "redact_url", "redis_client"]
+
+log = logging.getLogger("ladle.store")
 
 _NAMESPACE = re.compile(r"[A-Za-z0-9._-]{1,100}")
 
@@ -383,9 +386,27 @@ class RedisCursorStore(CursorStore):
         self._delete_script = self._redis.register_script(_DELETE)
         try:
             self._ping()
+            self._check_server()
         except BaseException:
             self.close()
             raise
+
+    def _check_server(self) -> None:
+        """At start-up: the scripts run (a user without EVALSHA failed every trainer later, each
+        after its whole timeout), and a Redis that evicts keys is named in a warning."""
+        with self._client() as client:
+            self._get_script(keys=self._keys("ladle-start-up-check"), client=client)  # loads and runs
+            try:
+                policy = client.config_get("maxmemory-policy").get("maxmemory-policy")
+            except rex.RedisError:  # CONFIG is often disabled (managed Redis, ACLs): not ours to know
+                return
+        if policy and policy != "noeviction":
+            log.warning(
+                "cursor store %s: Redis evicts keys under memory pressure (maxmemory-policy %s), so it "
+                "can drop a job's cursors; set maxmemory-policy noeviction (deploy/redis.conf)",
+                self.url,
+                policy,
+            )
 
     def __repr__(self) -> str:
         return f"RedisCursorStore({self.url!r}, namespace={self.namespace!r})"
@@ -432,8 +453,10 @@ class RedisCursorStore(CursorStore):
                 "check the password in the Redis URL"
             )
         if isinstance(exc, rex.NoPermissionError) or first == "NOPERM":
-            return StoreUnavailableError(
-                f"cursor store {self.url}: the Redis user lacks a permission: {message}"
+            # not transient: a trainer that retried it waited out its whole timeout for nothing
+            return StoreError(
+                f"cursor store {self.url}: the Redis user lacks a permission ladle needs ({message}); "
+                "it runs Lua scripts (EVALSHA, SCRIPT LOAD) on its own keys (ladle:*)"
             )
         if isinstance(exc, rex.ConnectionError | rex.TimeoutError):
             return StoreUnavailableError(f"cursor store {self.url} cannot be reached: {message}")
@@ -448,6 +471,11 @@ class RedisCursorStore(CursorStore):
             "CLUSTERDOWN",
         ):
             return StoreUnavailableError(f"cursor store {self.url} cannot take this operation now: {message}")
+        if isinstance(exc, rex.InvalidResponse) or message.startswith("Protocol error"):
+            return StoreError(
+                f"cursor store {self.url}: what answers there does not speak Redis ({message}); "
+                "is that a Redis server's host and port?"
+            )
         return StoreError(f"cursor store {self.url}: Redis refused an operation: {message}")
 
     @contextmanager

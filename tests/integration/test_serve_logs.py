@@ -53,3 +53,26 @@ def test_a_refused_stream_is_logged_on_the_server(server_factory: Factory) -> No
     assert lines, f"the refusal is not in the server's log: {server.log_tail()}"
     assert " WARNING ladle.server: stream refused: job=refused-here rank=0/3 client=node-7:42: " in lines[0]
     assert "world_size=2" in lines[0] or "world size" in lines[0], lines[0]
+
+
+def test_a_rank_that_starts_an_epoch_behind_the_others_is_named(server_factory: Factory) -> None:
+    """After a store lost a rank's position (or it never ran), it replayed an epoch without a word."""
+    from ladle.client import BatchClient
+
+    server = server_factory()
+    with BatchClient(0, 2, server.address, "behind", timeout=30) as ahead:
+        for _batch in ahead:  # one whole epoch, then a few steps into the next
+            pass
+        batches = iter(ahead)
+        for _ in range(3):
+            next(batches)
+    with BatchClient(1, 2, server.address, "behind", timeout=30) as late:
+        first = next(iter(late))
+        assert (first.epoch, first.step) == (0, 0)
+    deadline = time.monotonic() + 10
+    while "behind rank 0" not in server.log_tail() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    lines = [line for line in server.log_tail().splitlines() if "behind rank 0" in line]
+    assert lines, f"no warning: {server.log_tail()}"
+    assert " WARNING ladle.server: job behind rank 1 starts at " in lines[0], lines[0]
+    assert "load_state_dict" in lines[0]

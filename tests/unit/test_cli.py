@@ -228,3 +228,11 @@ def test_inspect_help_has_the_client_certificate(capsys: pytest.CaptureFixture[s
         "(default: $LADLE_TLS_KEY)",
     ):
         assert option in text, f"ladle inspect --help lacks {option}"
+
+
+def test_a_job_ttl_shorter_than_a_minute_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    """--job-ttl 0.0001 was taken: every job expired between two writes of a pausing trainer."""
+    assert main(["serve", "no-such-dataset", "--job-ttl", "5"]) == 2
+    err = capsys.readouterr().err
+    assert "--job-ttl 5 s is shorter than 60 s" in err, err
+    assert len(err.strip().splitlines()) == 1, err

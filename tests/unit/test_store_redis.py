@@ -32,6 +32,7 @@ from ladle.service.errors import (  # noqa: E402
     ConfigError,
     FencedError,
     JobNotFoundError,
+    StoreError,
     StoreUnavailableError,
 )
 from ladle.service.store import (  # noqa: E402
@@ -472,3 +473,59 @@ def test_open_store_picks_redis_or_the_file(redis_server: RedisServer, tmp_path:
         assert store.job_ttl_s == 60, "the embedded store ignored --job-ttl"
     assert (tmp_path / "sub" / "x.db").exists()
     assert os.path.basename(store.path) == "x.db"
+
+
+# --- what a Redis server must allow, checked at start-up ------------------------
+
+
+def test_a_redis_that_evicts_keys_is_named_at_start_up(
+    redis_server_factory: StartServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """allkeys-lru can drop a job's cursors under memory pressure: nothing said so."""
+    server = redis_server_factory(extra_args=("--maxmemory", "100mb", "--maxmemory-policy", "allkeys-lru"))
+    with caplog.at_level("WARNING", logger="ladle.store"), RedisCursorStore(server.url):
+        pass
+    assert "maxmemory-policy allkeys-lru" in caplog.text, caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="ladle.store"), RedisCursorStore(redis_server_factory().url):
+        pass
+    assert not caplog.text, "a Redis that never evicts was warned about"
+
+
+def test_a_user_that_cannot_run_scripts_is_refused_at_start_up(redis_server: RedisServer) -> None:
+    """The server started and said ready; every trainer then retried UNAVAILABLE for its whole timeout."""
+    with redis_server.client() as admin:
+        admin.acl_setuser(
+            "noscripts",
+            enabled=True,
+            passwords=["+" + PASSWORD],
+            keys=["*"],
+            channels=["*"],
+            commands=["+@all", "-eval", "-evalsha", "-script"],
+        )
+    url = f"redis://noscripts:{PASSWORD}@{redis_server.host}:{redis_server.port}/0"
+    with pytest.raises(StoreError, match="lacks a permission ladle needs") as info:
+        RedisCursorStore(url)
+    assert not isinstance(info.value, StoreUnavailableError), "a missing permission is not transient"
+    assert PASSWORD not in str(info.value)
+
+
+def test_a_port_that_does_not_speak_redis_is_named_so() -> None:
+    """It said 'Redis refused an operation: Protocol error, got "H" as reply type byte'."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+
+    def answer() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            conn.recv(100)
+            conn.sendall(b"HTTP/1.1 400 Bad Request\r\n\r\n")
+
+    thread = threading.Thread(target=answer, daemon=True)
+    thread.start()
+    try:
+        with pytest.raises(StoreError, match="does not speak Redis"):
+            RedisCursorStore(f"redis://127.0.0.1:{port}/0")
+    finally:
+        listener.close()
+        thread.join(timeout=5)
