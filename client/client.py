@@ -655,7 +655,12 @@ class BatchClient:
 
     @property
     def position(self) -> tuple[int, int] | None:
-        """(epoch, step) of the next batch this client will receive (None before the first)."""
+        """(epoch, step) of the next batch this client will receive (None before the first).
+
+        After an elastic ``load_state_dict`` (another world size) it is the
+        loaded position of the old world until the first batch or
+        ``state_dict()`` learns the re-planned one from the server.
+        """
         return self._next
 
     # --- iteration ---

@@ -23,6 +23,24 @@ from .errors import BatchClientError
 
 __all__ = ["BatchDataset"]
 
+_BATCHED = (
+    "DataLoader tried to batch ladle Batch objects again: each is a whole batch the server made, "
+    "so give DataLoader(BatchDataset(...), batch_size=None)"
+)
+
+
+def _batched_already(batch: Any, *, collate_fn_map: Any = None) -> Any:
+    """torch's default collate met a ``Batch`` (a DataLoader without ``batch_size=None``)."""
+    raise TypeError(_BATCHED)
+
+
+try:  # its own words in place of "default_collate: batch must contain tensors, ... found Batch"
+    from torch.utils.data._utils.collate import default_collate_fn_map
+
+    default_collate_fn_map.setdefault(Batch, _batched_already)
+except (ImportError, AttributeError):  # a torch without the registry: its own message stands
+    pass
+
 _IN_PROCESS = (
     "BatchDataset must run with DataLoader(num_workers=0): BatchClient already reads ahead on "
     "a thread of its own, and in a worker process its position would be out of state_dict()'s "

@@ -74,3 +74,14 @@ def test_dataloader_adapter_over_a_client(server_factory: Callable[..., Any]) ->
         assert data.state_dict() == client.state_dict()
     with pytest.raises(TypeError, match="BatchClient alone"):
         BatchDataset(client, job="other")
+
+
+def test_a_dataloader_that_batches_again_says_what_to_do(server_factory: Callable[..., Any]) -> None:
+    """DataLoader's default batch_size=1 failed deep in torch's collate, naming nothing of ladle."""
+    server = server_factory()
+    data = BatchDataset(0, 1, server.address, "batched-again", device="cpu", timeout=30)
+    try:
+        with pytest.raises(TypeError, match=r"batch_size=None"):
+            next(iter(torch.utils.data.DataLoader(data)))
+    finally:
+        data.close()
