@@ -553,6 +553,8 @@ class BatchServicer:
         checkpoint = None
         if given is not None and o.HasField("schedule_fingerprint"):
             checkpoint = (given, o.schedule_fingerprint)
+        if o.HasField("schedule_fingerprint"):
+            self.registry.check_restorable(o.job, o.world_size, o.schedule_fingerprint)
         job = self.registry.open(o.job, o.world_size, elastic=o.elastic, checkpoint=checkpoint)
         job.check_rank(o.rank, o.world_size)
         if o.HasField("schedule_fingerprint") and o.schedule_fingerprint != job.fingerprint:

@@ -524,6 +524,34 @@ class JobRegistry:
             state = self._resize(name, exc.stored, world_size, checkpoint)
         return self._job_for(state)
 
+    def check_restorable(self, name: str, world_size: int, fingerprint: str) -> None:
+        """Refuse, before anything is stored, a client whose schedule a job created now would not be.
+
+        A client that names a schedule (a loaded checkpoint, or a stream it is
+        resuming) for a job neither the store nor this server knows would get
+        a new job of the plain schedule, then be refused for following another:
+        the job left behind would then refuse the client's checkpoint too. That
+        happens when a resized job's history went with the store's data (a
+        Redis without persistence) and the server that knew it restarted, or
+        for a checkpoint of another dataset or config.
+        """
+        if self.get(name) is not None:
+            return
+        try:
+            self.store.get(name)
+            return
+        except JobNotFoundError:
+            pass
+        plain = schedule_fingerprint(self.dataset.fingerprint, self.config.fingerprint(), world_size)
+        if fingerprint != plain:
+            raise CheckpointMismatchError(
+                f"job {name!r} is not in the cursor store, and this client follows schedule {fingerprint}, "
+                f"not {plain}, which a job created now would follow: a job that was resized, whose resize "
+                "history went with the store's data (a Redis that lost everything while the servers that "
+                "knew the job restarted), or a checkpoint of another dataset or config. Nothing was "
+                "stored; resume the world from a checkpoint taken before the resize, or start a new job"
+            )
+
     def _check_new(self, name: str, world_size: int) -> None:
         """Build epoch 0 of a job the store does not hold yet before creating it there.
 

@@ -736,3 +736,31 @@ def test_a_fenced_process_gets_no_more_batches_from_its_window(module_server: An
                 next(batches)
     finally:
         old.close()
+
+
+def test_a_resized_jobs_checkpoint_after_the_store_and_server_forgot_the_job(
+    server_factory: Server, tmp_path: Path
+) -> None:
+    """Its Open made a new plain job, then refused the checkpoint; the job left behind refused it for good."""
+    import json
+    import urllib.request
+
+    server = server_factory(state=tmp_path / "first.db")
+    old = [BatchClient(r, 2, server.address, "forgotten", timeout=30) for r in range(2)]
+    for client in old:
+        steps(client, 3)
+    saved = old[0].state_dict()
+    for client in old:
+        client.close()
+    with BatchClient(0, 1, server.address, "forgotten", elastic=True, timeout=30) as resized:
+        resized.load_state_dict(saved)
+        steps(resized, 2)
+        checkpoint = resized.state_dict()  # of the resized schedule
+    server.stop()
+    fresh = server_factory(state=tmp_path / "empty.db")  # the store's data and the server's memory gone
+    with BatchClient(0, 1, fresh.address, "forgotten", timeout=30) as again:
+        again.load_state_dict(checkpoint)
+        with pytest.raises(StateDictError, match=r"is not in the cursor store.*Nothing was stored"):
+            steps(again, 1)
+    with urllib.request.urlopen(f"{fresh.http_url}/v1/jobs", timeout=30) as answer:
+        assert json.load(answer)["jobs"] == [], "the refused Open left a job behind"
