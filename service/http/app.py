@@ -13,10 +13,12 @@ import logging
 from dataclasses import asdict
 from typing import Annotated, Any, Final, Literal
 
-from fastapi import Depends, FastAPI, Header, Path, Query, Request
+from fastapi import Depends, FastAPI, Header, Path, Query, Request, Security
 from fastapi.exception_handlers import request_validation_exception_handler
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response
+from fastapi.security import HTTPBearer
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import ladle
@@ -166,6 +168,8 @@ def create_app(
             token.check(authorization)
 
     protected = [Depends(authorized)]
+    if token is not None:  # named in the OpenAPI document, so /docs and generated clients send it
+        protected.append(Security(HTTPBearer(auto_error=False, description="the server's token")))
     app = FastAPI(
         title="ladle",
         version=ladle.__version__,
@@ -178,6 +182,13 @@ def create_app(
     async def _ladle_error(request: Request, exc: LadleError) -> Response:
         # the page's own refusals (its token check among them) answer a person, in HTML
         return _error_response(exc, for_page=request.url.path == "/")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        # an unknown path or method: the same body as every other refusal, with a kind
+        kind = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+        body = ErrorBody(detail=str(exc.detail), kind=kind, field=None)
+        return JSONResponse(body.model_dump(), status_code=exc.status_code, headers=exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> Response:

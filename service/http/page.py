@@ -241,11 +241,14 @@ def render(
 
     banner = ""
     if preview:
+        # jobs of another dataset or config may be in the store: none is this server's to show
+        others = f" ({len(states)} of another dataset or config in the store)" if states else ""
         banner = (
-            '<p class="banner" id="preview">No jobs yet. This is the schedule a job of '
-            f"{shown.world_size} ranks would follow on this dataset (change it with "
-            "<code>?world_size=N</code>). Start trainers with <code>BatchClient(rank, world_size, "
-            'job="run-42")</code>; the page switches to their job when it appears.</p>'
+            f'<p class="banner" id="preview">No job on this server\'s dataset and config yet{others}. '
+            f"This is the schedule a job of {shown.world_size} ranks would follow on this dataset "
+            "(change it with <code>?world_size=N</code>). Start trainers with "
+            '<code>BatchClient(rank, world_size, job="run-42")</code>; the page switches to their job '
+            "when it appears.</p>"
         )
     last = on_page and ours["batches"][-1]["step"]
     heading = (

@@ -234,6 +234,11 @@ def test_a_job_of_another_config_is_refused_without_advice_to_delete_it(inspecto
     body = client.get("/v1/jobs/elsewhere/buckets").json()
     assert body["kind"] == "failed_precondition"
     assert set(body) == {"detail", "kind", "field"}
+    # the landing page: no job of this server's yet, and it says what the store does hold
+    banner = re.search(r'<p class="banner" id="preview">(.*?)</p>', client.get("/").text)
+    assert banner is not None, "no preview"
+    assert "No jobs yet" not in banner.group(1), banner.group(1)
+    assert "(1 of another dataset or config in the store)" in banner.group(1), banner.group(1)
 
 
 def test_the_page_asks_a_browser_for_the_token_in_html(inspector: insp.Inspector) -> None:
@@ -262,3 +267,31 @@ def test_health_and_readiness_answer_head(inspector: insp.Inspector, monkeypatch
     monkeypatch.setattr(inspector, "store_error", lambda: "the store is down")
     assert client.head("/readyz").status_code == 503
     assert client.get("/readyz").status_code == 503
+
+
+def test_the_openapi_document_names_the_token_when_there_is_one(inspector: insp.Inspector) -> None:
+    """/docs had no Authorize button and generated clients never sent the token."""
+    from ladle.service.security import TokenCheck
+
+    secret = "a-token-of-32-characters-or-more!"
+    client = TestClient(create_app(inspector, token=TokenCheck([secret])))
+    document = client.get("/openapi.json").json()
+    schemes = document["components"]["securitySchemes"]
+    assert [s["scheme"].lower() for s in schemes.values()] == ["bearer"], schemes
+    assert document["paths"]["/v1/jobs"]["get"]["security"], "the API's operations name no token"
+    assert client.get("/v1/jobs", headers={"authorization": f"Bearer {secret}"}).status_code == 200
+    assert client.get("/", auth=("anyone", secret)).status_code in (200, 503), "Basic stopped working"
+    plain = TestClient(create_app(inspector)).get("/openapi.json").json()
+    assert "securitySchemes" not in plain.get("components", {}), "a server without a token asks for one"
+
+
+def test_an_unknown_path_or_method_gets_the_refusal_body_with_a_kind(inspector: insp.Inspector) -> None:
+    """They answered FastAPI's bare {"detail": "Not Found"}, unlike every other refusal."""
+    client = TestClient(create_app(inspector))
+    missing = client.get("/v1/nothing-here")
+    assert missing.status_code == 404
+    assert missing.json() == {"detail": "Not Found", "kind": "not_found", "field": None}
+    wrong = client.post("/v1/jobs")
+    assert wrong.status_code == 405
+    assert wrong.json()["kind"] == "method_not_allowed"
+    assert "GET" in wrong.headers["allow"]
