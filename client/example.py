@@ -36,7 +36,11 @@ def main(argv: list[str] | None = None) -> int:
     ids_path = state_path = None
     received: list[np.ndarray] = []
     if args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
+        try:
+            args.out.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:  # one line, as every other refusal of ladle's commands
+            why = exc.strerror or exc
+            parser.exit(2, f"{parser.prog}: error: --out {args.out}: cannot create it: {why}\n")
         ids_path = args.out / f"rank-{client.rank}.npy"
         state_path = args.out / f"rank-{client.rank}.state.json"
         if state_path.exists() and ids_path.exists():

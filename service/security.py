@@ -145,7 +145,8 @@ class TokenCheck:
         """Raise ``AuthenticationError`` unless ``header`` carries an accepted token."""
         if not self.allows(header):
             raise AuthenticationError(
-                "missing token: send 'authorization: Bearer <token>' (BatchClient(token=...) or LADLE_TOKEN)"
+                "missing token: send 'authorization: Bearer <token>' (BatchClient(token=...), ladle inspect "
+                "--token-file, or LADLE_TOKEN)"
                 if not header
                 else "wrong token: the server does not accept the token sent"
             )

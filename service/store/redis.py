@@ -261,7 +261,8 @@ def _url_password(url: str) -> str | None:
         return None
     if parts.password:
         return unquote(parts.password)
-    match = re.search(r"(?i)(?:^|&)password=([^&]*)", parts.query)
+    # the first query parameter whose name holds "password" (password=, ssl_password=), as redact_url hides
+    match = re.search(r"(?i)(?:^|&)[^&=]*password[^&=]*=([^&]*)", parts.query)
     return unquote(match.group(1)) if match and match.group(1) else None
 
 
