@@ -40,6 +40,17 @@ def steps(client: BatchClient, n: int) -> list[int]:
     return [batch.step for _, batch in zip(range(n), client, strict=False)]
 
 
+def world_checkpoint(address: str, job: str, world: int, n: int) -> dict[str, Any]:
+    """Every rank of a ``world``-rank job takes ``n`` batches and closes: rank 0's state, taken then."""
+    clients = [BatchClient(r, world, address, job, timeout=30) for r in range(world)]
+    for client in clients:
+        steps(client, n)
+    saved = clients[0].state_dict()
+    for client in clients:
+        client.close()
+    return saved
+
+
 def test_an_exception_in_a_with_block_does_not_consume_the_batch(module_server: Any) -> None:
     """The trainer died on step 5 (an OOM): the next process trains on step 5 again."""
 
@@ -408,12 +419,7 @@ def test_close_from_another_thread_ends_a_reconnecting_next(server_factory: Serv
 
 def test_an_elastic_checkpoint_before_the_first_batch_is_the_replanned_one(server_factory: Server) -> None:
     server = server_factory()
-    old = [BatchClient(r, 2, server.address, "elastic-early", timeout=30) for r in (0, 1)]
-    for client in old:
-        steps(client, 5)
-    saved = old[0].state_dict()
-    for client in old:
-        client.close()
+    saved = world_checkpoint(server.address, "elastic-early", 2, 5)
     with BatchClient(0, 1, server.address, "elastic-early", elastic=True, timeout=30) as resized:
         resized.load_state_dict(saved)
         state = resized.state_dict()
@@ -665,12 +671,7 @@ def test_an_elastic_resume_from_a_checkpoint_on_an_epochs_last_batch(server_fact
 def test_a_checkpoint_the_resized_job_cannot_take_leaves_the_job_as_it_was(server_factory: Server) -> None:
     """4 -> 2 (trained on, no checkpoint) -> 3 with the 4-rank checkpoint: refused, and nothing changed."""
     server = server_factory()
-    four = [BatchClient(r, 4, server.address, "elastic-flap", timeout=30) for r in range(4)]
-    for client in four:
-        steps(client, 4)
-    checkpoint = four[0].state_dict()
-    for client in four:
-        client.close()
+    checkpoint = world_checkpoint(server.address, "elastic-flap", 4, 4)
     two = [BatchClient(r, 2, server.address, "elastic-flap", elastic=True, timeout=30) for r in range(2)]
     for client in two:
         client.load_state_dict(checkpoint)
@@ -746,12 +747,7 @@ def test_a_resized_jobs_checkpoint_after_the_store_and_server_forgot_the_job(
     import urllib.request
 
     server = server_factory(state=tmp_path / "first.db")
-    old = [BatchClient(r, 2, server.address, "forgotten", timeout=30) for r in range(2)]
-    for client in old:
-        steps(client, 3)
-    saved = old[0].state_dict()
-    for client in old:
-        client.close()
+    saved = world_checkpoint(server.address, "forgotten", 2, 3)
     with BatchClient(0, 1, server.address, "forgotten", elastic=True, timeout=30) as resized:
         resized.load_state_dict(saved)
         steps(resized, 2)
