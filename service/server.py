@@ -154,8 +154,10 @@ class BatchServer:
             raise
         if self.requested_http_port is not None:
             from .http import HttpServer, Inspector, create_app
+            from .security import is_loopback
 
-            app = create_app(Inspector(registry), self.metrics, token=self.token)
+            local = is_loopback(self.host) and self.token is None
+            app = create_app(Inspector(registry), self.metrics, token=self.token, local_hosts_only=local)
             try:
                 self._http = HttpServer(app, self.host, self.requested_http_port, tls=self.tls).start()
             except BaseException:

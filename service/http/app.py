@@ -152,14 +152,56 @@ def _dataset(inspector: Inspector) -> dict[str, Any]:
     return {"path": ds.path, "rows": ds.num_rows, "fingerprint": ds.fingerprint}
 
 
+# the Host names that mean this machine (any port): what a loopback server without a token answers
+LOCAL_HOSTS: Final = frozenset({"127.0.0.1", "localhost", "[::1]"})
+
+
+def _host_name(host: str) -> str:
+    """``host`` of a Host header without its port (``[::1]:8080`` -> ``[::1]``), lower case."""
+    host = host.strip().lower()
+    if host.startswith("["):
+        return host[: host.find("]") + 1] if "]" in host else host
+    return host.split(":", 1)[0]
+
+
+class _LocalHostsOnly:
+    """ASGI middleware: refuse (400) a request whose Host header does not name this machine."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            host = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"host"), "")
+            if _host_name(host) not in LOCAL_HOSTS:
+                body = ErrorBody(
+                    detail=f"Host {host!r} is not this machine: a loopback server without a token answers "
+                    "only 127.0.0.1, localhost and [::1] (a page elsewhere could reach it through a name "
+                    "that points here)",
+                    kind="invalid_argument",
+                    field="host",
+                )
+                await JSONResponse(body.model_dump(), status_code=400)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 def create_app(
-    inspector: Inspector, metrics: ServerMetrics | None = None, token: TokenCheck | None = None
+    inspector: Inspector,
+    metrics: ServerMetrics | None = None,
+    token: TokenCheck | None = None,
+    *,
+    local_hosts_only: bool = False,
 ) -> FastAPI:
     """The app for one server: ``inspector`` reads its jobs, ``metrics`` is what /metrics exposes.
 
     With ``token``, every endpoint but ``/healthz``, ``/readyz`` and the
     OpenAPI document answers 401 unless the request carries an accepted token
     (``Authorization: Bearer <token>``, or Basic with the token as password).
+    With ``local_hosts_only`` (a loopback server with no token) a request
+    whose ``Host`` is not this machine's (``127.0.0.1``, ``localhost``,
+    ``[::1]``) is refused with 400: a web page the user opens elsewhere could
+    otherwise read the API through a DNS name that points at 127.0.0.1.
     """
     metrics = metrics if metrics is not None else ServerMetrics()
 
@@ -176,6 +218,8 @@ def create_app(
         description="Inspect a ladle batch server: its jobs, each epoch's schedule, the ranks' cursors "
         "and Prometheus metrics. Read-only. Large answers are paged.",
     )
+    if local_hosts_only:
+        app.add_middleware(_LocalHostsOnly)
     app.add_middleware(_CountErrors, metrics=metrics)
 
     @app.exception_handler(LadleError)

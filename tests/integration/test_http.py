@@ -363,3 +363,18 @@ def test_http_port_taken(small_dataset: Path, tmp_path: Path) -> None:
         server = BatchServer(small_dataset, CONFIG, grpc_port=0, http_port=port, state=tmp_path / "s.db")
         with pytest.raises(ConfigError, match=f"http_port: cannot listen on 127.0.0.1:{port}"):
             server.start()
+
+
+def test_a_loopback_server_without_a_token_refuses_another_host_name(module_server: ServerProcess) -> None:
+    """A DNS-rebinding page (Host: attacker.example, resolving to 127.0.0.1) read a token-less API."""
+    url = module_server.http_url + "/v1/jobs"
+    forged = urllib.request.Request(url, headers={"Host": "attacker.example:8080"})
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(forged, timeout=30)
+    assert refused.value.code == 400
+    assert json.loads(refused.value.read())["field"] == "host"
+    local = urllib.request.Request(
+        module_server.http_url + "/v1/jobs", headers={"Host": f"localhost:{module_server.http_port}"}
+    )
+    with urllib.request.urlopen(local, timeout=30) as answer:
+        assert answer.status == 200

@@ -295,3 +295,17 @@ def test_an_unknown_path_or_method_gets_the_refusal_body_with_a_kind(inspector: 
     assert wrong.status_code == 405
     assert wrong.json()["kind"] == "method_not_allowed"
     assert "GET" in wrong.headers["allow"]
+
+
+def test_a_loopback_server_without_a_token_answers_only_local_names(inspector: insp.Inspector) -> None:
+    """Any Host was answered: a web page could read the API through a DNS name pointing at 127.0.0.1."""
+    app = create_app(inspector, local_hosts_only=True)
+    for host in ("127.0.0.1:8080", "localhost:8080", "LOCALHOST", "[::1]:8080", "127.0.0.1"):
+        assert TestClient(app).get("/v1/jobs", headers={"host": host}).status_code == 200, host
+    for host in ("attacker.example:8080", "127.0.0.1.nip.io", "[::1", "", "10.0.0.1:8080"):
+        reply = TestClient(app).get("/v1/jobs", headers={"host": host})
+        assert reply.status_code == 400, host
+        assert reply.json()["kind"] == "invalid_argument"
+        assert reply.json()["field"] == "host"
+    open_app = create_app(inspector)  # a token, or a reachable host: no such check
+    assert TestClient(open_app).get("/v1/jobs", headers={"host": "ladle.internal:8080"}).status_code == 200
