@@ -216,9 +216,9 @@ def render(
         if not inspector.served(s):
             nav.append(f'<span class="other" title="another dataset or config">{label}</span>')
         elif not preview and s.job == shown.name:
-            nav.append(f'<a class="current" href="/?job={label}">{label}</a>')
+            nav.append(f'<a class="current" href="./?job={label}">{label}</a>')
         else:
-            nav.append(f'<a href="/?job={label}">{label}</a>')
+            nav.append(f'<a href="./?job={label}">{label}</a>')
     jobs_nav = " ".join(nav) if nav else "none yet"
     if len(states) > len(recent):
         jobs_nav += f' <span class="other">and {len(states) - len(recent)} more (/v1/jobs)</span>'
@@ -226,7 +226,7 @@ def render(
     def link(**params: Any) -> str:
         base: dict[str, Any] = {"world_size": shown.world_size} if preview else {"job": shown.name}
         merged = {**base, **params}
-        return "/?" + "&amp;".join(f"{key}={escape(str(v))}" for key, v in merged.items())
+        return "./?" + "&amp;".join(f"{key}={escape(str(v))}" for key, v in merged.items())
 
     pager = []
     if start > 0:
@@ -319,7 +319,7 @@ def render_error(exc: LadleError) -> str:
     return (
         '<!doctype html><html lang="en"><head><meta charset="utf-8"><link rel="icon" href="data:,">'
         f'<title>ladle: error</title></head><body><h1>ladle</h1><p id="error">{escape(message)}</p>'
-        '<p><a href="/">all jobs</a></p></body></html>'
+        '<p><a href="./">all jobs</a></p></body></html>'
     )
 
 
@@ -365,9 +365,11 @@ _SCRIPT: Final = """
 
   function poll() {
     if (document.hidden) { window.setTimeout(poll, state.poll_ms); return; }
-    // from the origin: a page opened as http://user:TOKEN@host/ must not fetch a URL with credentials
-    var path = state.job === null ? "/v1/jobs" : "/v1/jobs/" + encodeURIComponent(state.job) + "/cursor";
-    fetch(window.location.origin + path, {cache: "no-store"}).then(function (response) {
+    // relative to the page (it may be served under a path prefix: an ingress, kubectl proxy), and
+    // from origin + path: a page opened as http://user:TOKEN@host/ must not fetch a URL with credentials
+    var path = state.job === null ? "v1/jobs" : "v1/jobs/" + encodeURIComponent(state.job) + "/cursor";
+    var here = window.location.origin + window.location.pathname;
+    fetch(new URL(path, here).href, {cache: "no-store"}).then(function (response) {
       if (!response.ok) throw new Error("HTTP " + response.status);
       return response.json();
     }).then(function (doc) {
@@ -444,8 +446,8 @@ its bucket; a red outline marks where each rank is</figcaption><div class="scrol
 </section>
 <section id="buckets"><h2>Buckets</h2>{bucket_table}</section>
 <section id="quality"><h2>Quality</h2>{quality_table}</section>
-<footer>API: <a href="/openapi.json">/openapi.json</a>, <a href="/v1/jobs">/v1/jobs</a>,
-<a href="/metrics">/metrics</a></footer>
+<footer>API: <a href="openapi.json">/openapi.json</a>, <a href="v1/jobs">/v1/jobs</a>,
+<a href="metrics">/metrics</a></footer>
 <script id="ladle-state" type="application/json">{state}</script>
 <script>{script}</script>
 </body>

@@ -378,3 +378,58 @@ def test_a_loopback_server_without_a_token_refuses_another_host_name(module_serv
     )
     with urllib.request.urlopen(local, timeout=30) as answer:
         assert answer.status == 200
+
+
+def test_the_page_works_under_a_path_prefix(module_server: ServerProcess) -> None:
+    """Behind an ingress path or kubectl proxy (/api/v1/.../proxy/), its links went to the host's root."""
+    import http.server
+    import re
+    import threading
+    import urllib.parse
+
+    prefix = "/api/v1/namespaces/ml/services/ladle:http/proxy"
+    upstream = module_server.http_url
+
+    class Proxy(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            if not self.path.startswith(prefix + "/"):
+                self.send_error(404, "outside the prefix")
+                return
+            try:
+                with urllib.request.urlopen(upstream + self.path[len(prefix) :], timeout=30) as answer:
+                    status, body, kind = answer.status, answer.read(), answer.headers["content-type"]
+            except urllib.error.HTTPError as exc:
+                status, body, kind = exc.code, exc.read(), exc.headers["content-type"]
+            self.send_response(status)
+            self.send_header("content-type", kind)
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    with BatchClient(0, 1, module_server.address, "prefixed", timeout=30) as client:
+        next(iter(client))
+        proxy = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Proxy)
+        thread = threading.Thread(target=proxy.serve_forever, daemon=True)
+        thread.start()
+        try:
+            base = f"http://127.0.0.1:{proxy.server_address[1]}{prefix}/"
+            with urllib.request.urlopen(base + "?job=prefixed", timeout=30) as page:
+                html = page.read().decode()
+                page_url = page.url
+            assert 'href="/' not in html, "a link from the root of the host"
+            links = set(re.findall(r'href="([^"#]+)"', html)) - {"data:,"}
+            assert links, "no links on the page"
+            for link in links:
+                with urllib.request.urlopen(urllib.parse.urljoin(page_url, link.replace("&amp;", "&"))) as to:
+                    assert to.status == 200, link
+            # what the page's script fetches: new URL("v1/jobs/<job>/cursor", origin + pathname)
+            assert '"v1/jobs/" + encodeURIComponent(state.job) + "/cursor"' in html
+            with urllib.request.urlopen(urllib.parse.urljoin(base, "v1/jobs/prefixed/cursor")) as cursor:
+                assert json.loads(cursor.read())["ranks"][0]["rank"] == 0
+        finally:
+            proxy.shutdown()
+            proxy.server_close()
+            thread.join(timeout=10)
