@@ -23,6 +23,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import threading
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from concurrent.futures import Executor, ThreadPoolExecutor
@@ -51,8 +52,11 @@ from .store.base import Position, RankState
 __all__ = ["ACK_FLUSH_SECONDS", "STORE_WRITERS", "BatchServicer", "StreamAbortedError", "status_of"]
 
 log = logging.getLogger("ladle.server")
-# a rank with no checkpoint that starts further than this behind another is named in a warning
+# a rank with no checkpoint that starts further than this behind another is named in a warning, and
+# ranks further apart than this are not a DDP group in step: each keeps its own cursor
 FAR_BEHIND_STEPS = 64
+# how long the start of a stream begun at the job's cursor counts for the ranks that join after it
+ALIGNED_START_S = 120.0
 
 ACK_FLUSH_SECONDS = 0.05
 # Threads that write streams' cursors to the store (each stream has at most one write in flight).
@@ -322,6 +326,9 @@ class BatchServicer:
         # sessions admitted whose Open is still with the store (off the loop), by (job, rank)
         self._opening: dict[tuple[str, int], int] = {}
         self._stopping = False
+        # (job, rank) -> (generation, start, monotonic time) of streams begun at the job's cursor
+        self._aligned_starts: dict[tuple[str, int], tuple[int, Position, float]] = {}
+        self._aligned_lock = threading.Lock()  # Opens run on threads of their own
         # the streams' cursor writes: off the event loop, so a store that hangs stops no batch
         self.store_executor = ThreadPoolExecutor(STORE_WRITERS, thread_name_prefix="ladle-store")
         self.metrics = metrics if metrics is not None else ServerMetrics()
@@ -468,6 +475,10 @@ class BatchServicer:
             await session.drain()
             if self._active.get(key) is session:
                 del self._active[key]
+            with self._aligned_lock:  # its start no longer holds back the ranks that join later
+                began = self._aligned_starts.get(key)
+                if began is not None and began[0] == session.generation:
+                    del self._aligned_starts[key]
             log.info(
                 "stream end: job=%s rank=%d generation=%d sent=%s stored=%s: %s",
                 session.job.name,
@@ -593,6 +604,13 @@ class BatchServicer:
             given = self._job_cursor(job, o.rank, joined)
         start = job.normalise(given if given is not None else joined.position, hot=True)
         if aligned:
+            now = time.monotonic()
+            with self._aligned_lock:
+                if len(self._aligned_starts) > 10_000:  # bounded by use: entries are read for minutes
+                    stale = [k for k, v in self._aligned_starts.items() if now - v[2] >= ALIGNED_START_S]
+                    for key in stale:
+                        del self._aligned_starts[key]
+                self._aligned_starts[(job.name, o.rank)] = (joined.generation, start, now)
             self._warn_far_behind(job, o.rank, start)
         lost = self._lost_writes(o, job, joined.generation)
         if lost:
@@ -625,14 +643,22 @@ class BatchServicer:
         return session
 
     @staticmethod
-    def _warn_far_behind(job: Job, rank: int, start: Position) -> None:
-        """Say so when a rank with no checkpoint starts an epoch or more behind another (the store lost
-        its position, or a job expired while one rank was away): it replays what it trained."""
+    def _steps_apart(job: Job, behind: Position, ahead: Position) -> int:
+        """Steps from ``behind`` to ``ahead`` (normalised, ``behind <= ahead``); past one epoch, a bound."""
+        if ahead.epoch == behind.epoch:
+            return ahead.step - behind.step
+        if ahead.epoch == behind.epoch + 1:
+            return job.steps(behind.epoch, hot=True) - behind.step + ahead.step
+        return FAR_BEHIND_STEPS * 1_000_000  # epochs apart: far, whatever their lengths
+
+    def _warn_far_behind(self, job: Job, rank: int, start: Position) -> None:
+        """Say so when a rank with no checkpoint starts far behind another (the store lost its
+        position, or a job expired while one rank was away): it replays what that rank trained."""
         ahead = [(job.normalise(r.position, hot=True), r.rank) for r in job.state().ranks if r.rank != rank]
         if not ahead:
             return
         lead, leader = max(ahead)
-        if lead.epoch > start.epoch or lead.step - start.step > FAR_BEHIND_STEPS:
+        if lead > start and self._steps_apart(job, start, lead) > FAR_BEHIND_STEPS:
             log.warning(
                 "job %s rank %d starts at %s with no checkpoint, behind rank %d at %s: the store holds no "
                 "later position of it (lost, or never written); if it trained before, resume it with "
@@ -644,20 +670,36 @@ class BatchServicer:
                 lead,
             )
 
-    @staticmethod
-    def _job_cursor(job: Job, rank: int, joined: RankState) -> Position | None:
-        """Where a rank with no checkpoint starts when another rank of the job is behind it, else None.
+    def _job_cursor(self, job: Job, rank: int, joined: RankState) -> Position | None:
+        """Where a rank with no checkpoint starts when another rank of the job is just behind it, else None.
 
-        That is the job's cursor, the earliest stored position of any rank: a
-        DDP job restarted without a checkpoint (torchrun kills and restarts
-        every rank) has its ranks a step or two apart, and each continuing at
-        its own cursor would leave them unequal steps to the epoch's end, where
-        the ranks with more would hang in their last collective (PRODUCT.md
+        That is the job's cursor, the earliest position of its ranks: a DDP job
+        restarted without a checkpoint (torchrun kills and restarts every rank)
+        has its ranks a step or two apart, and each continuing at its own
+        cursor would leave them unequal steps to the epoch's end, where the
+        ranks with more would hang in their last collective (PRODUCT.md
         guarantee 2). The ranks ahead get again what they consumed beyond it.
+        Counted: ranks that have joined (a rank no trainer ever opened is at
+        0:0 and says nothing), each at the start of a stream this server began
+        at the job's cursor lately if that is earlier (a rank that consumed
+        micro-batches before the others came back, under gradient
+        accumulation), and only within ``FAR_BEHIND_STEPS``: ranks further
+        apart do not train in step, and each keeps its own cursor.
         """
         own = job.normalise(joined.position, hot=True)
-        earliest = min(job.normalise(r.position, hot=True) for r in job.state().ranks)
-        if earliest >= own:
+        now = time.monotonic()
+        positions = []
+        for r in job.state().ranks:
+            if r.rank == rank or r.generation == 0:
+                continue
+            position = job.normalise(r.position, hot=True)
+            with self._aligned_lock:
+                began = self._aligned_starts.get((job.name, r.rank))
+            if began is not None and began[0] == r.generation and now - began[2] < ALIGNED_START_S:
+                position = min(position, began[1])
+            positions.append(position)
+        earliest = min(positions, default=own)
+        if earliest >= own or self._steps_apart(job, earliest, own) > FAR_BEHIND_STEPS:
             return None
         log.info(
             "job %s rank %d: no checkpoint, so it starts at the job's cursor %s (the earliest rank's), "

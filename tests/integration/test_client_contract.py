@@ -561,8 +561,8 @@ from ladle.client import BatchClient
 address, job = sys.argv[1], sys.argv[2]
 rank, world, held = (int(a) for a in sys.argv[3:6])
 client = BatchClient(rank, world, address, job, timeout=30)
-batches = iter(client)
-for _ in range(held + 1):  # steps 0..held-1 consumed, step `held` in the trainer's hands
+batches = (batch for _epoch in iter(int, 1) for batch in client)  # epoch after epoch
+for _ in range(held + 1):  # batches 0..held-1 consumed, batch `held` in the trainer's hands
     next(batches)
 time.sleep(0.5)  # the acknowledgements reach the store (the server writes them within 50 ms)
 os.kill(os.getpid(), signal.SIGKILL)
@@ -760,3 +760,40 @@ def test_a_resized_jobs_checkpoint_after_the_store_and_server_forgot_the_job(
             steps(again, 1)
     with urllib.request.urlopen(f"{fresh.http_url}/v1/jobs", timeout=30) as answer:
         assert json.load(answer)["jobs"] == [], "the refused Open left a job behind"
+
+
+def test_a_rank_that_took_micro_batches_first_does_not_move_the_others_start(
+    server_factory: Server, tmp_path: Path
+) -> None:
+    """Under gradient accumulation the first rank back consumes micro-batches before any collective:
+    the next rank's start followed its moving cursor and the two were a step apart (a hang at the end)."""
+    server = server_factory()
+    _killed_at(server.address, "accumulating", 0, 2, 5, tmp_path)
+    _killed_at(server.address, "accumulating", 1, 2, 7, tmp_path)
+    first = BatchClient(0, 2, server.address, "accumulating", timeout=30)
+    second = BatchClient(1, 2, server.address, "accumulating", timeout=30)
+    try:
+        ahead = iter(first)
+        assert [next(ahead).step for _ in range(3)] == [5, 6, 7]  # two micro-batches consumed, one held
+        time.sleep(0.3)  # their acknowledgements reach the store
+        behind = iter(second)
+        assert next(behind).step == 5, "the second rank followed the first one's moving cursor"
+        left = {0: sum(1 for _ in ahead), 1: sum(1 for _ in behind)}
+        assert left[0] + 2 == left[1], f"unequal steps to the epoch's end: {left}"
+    finally:
+        first.close()
+        second.close()
+
+
+def test_ranks_that_never_joined_or_are_far_apart_do_not_move_a_restart(
+    server_factory: Server, tmp_path: Path
+) -> None:
+    """A rank no trainer opened sits at 0:0 in the store and sent a restarted rank back there."""
+    server = server_factory()
+    _killed_at(server.address, "alone-so-far", 0, 2, 30, tmp_path)  # rank 1 has not started yet
+    with BatchClient(0, 2, server.address, "alone-so-far", timeout=30) as restarted:
+        assert steps(restarted, 1) == [30], "a rank that never joined pulled the restart back"
+    _killed_at(server.address, "far-apart", 0, 2, 150, tmp_path)  # not in step: epochs apart
+    _killed_at(server.address, "far-apart", 1, 2, 5, tmp_path)
+    with BatchClient(0, 2, server.address, "far-apart", timeout=30) as fast:
+        assert next(iter(fast)).epoch > 0, "a rank far ahead of the others was sent back to them"
