@@ -125,7 +125,7 @@ def test_the_page_links_the_jobs_updated_last(registry: JobRegistry) -> None:
     client = TestClient(create_app(Inspector(registry), ServerMetrics()))
     page = client.get("/", params={"job": "job-000"})
     assert page.status_code == 200, page.text[:500]
-    linked = set(re.findall(r'href="/\?job=(job-\d+)"', page.text))
+    linked = set(re.findall(r'href="\./\?job=(job-\d+)"', page.text))
     assert len(linked) == PAGE_JOBS + 1, "the shown job and the 50 updated last"
     assert "job-000" in linked
     assert "and 6 more (/v1/jobs)" in page.text
