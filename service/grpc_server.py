@@ -25,7 +25,7 @@ import functools
 import logging
 import threading
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from concurrent.futures import Executor, ThreadPoolExecutor
 from typing import Any
 
@@ -600,8 +600,9 @@ class BatchServicer:
                 raise CheckpointPositionError(message) from None
         joined = job.join(o.rank)
         aligned = given is None and not o.own_cursor  # no checkpoint: the job's cursor
+        ranks = job.state().ranks if aligned else ()  # one store read for both uses below
         if aligned:
-            given = self._job_cursor(job, o.rank, joined)
+            given = self._job_cursor(job, o.rank, joined, ranks)
         start = job.normalise(given if given is not None else joined.position, hot=True)
         if aligned:
             now = time.monotonic()
@@ -611,7 +612,7 @@ class BatchServicer:
                     for key in stale:
                         del self._aligned_starts[key]
                 self._aligned_starts[(job.name, o.rank)] = (joined.generation, start, now)
-            self._warn_far_behind(job, o.rank, start)
+            self._warn_far_behind(job, o.rank, start, ranks)
         lost = self._lost_writes(o, job, joined.generation)
         if lost:
             generation = max(joined.generation, o.resume.generation + 1)
@@ -651,10 +652,10 @@ class BatchServicer:
             return job.steps(behind.epoch, hot=True) - behind.step + ahead.step
         return FAR_BEHIND_STEPS * 1_000_000  # epochs apart: far, whatever their lengths
 
-    def _warn_far_behind(self, job: Job, rank: int, start: Position) -> None:
+    def _warn_far_behind(self, job: Job, rank: int, start: Position, ranks: Sequence[RankState]) -> None:
         """Say so when a rank with no checkpoint starts far behind another (the store lost its
         position, or a job expired while one rank was away): it replays what that rank trained."""
-        ahead = [(job.normalise(r.position, hot=True), r.rank) for r in job.state().ranks if r.rank != rank]
+        ahead = [(job.normalise(r.position, hot=True), r.rank) for r in ranks if r.rank != rank]
         if not ahead:
             return
         lead, leader = max(ahead)
@@ -670,7 +671,9 @@ class BatchServicer:
                 lead,
             )
 
-    def _job_cursor(self, job: Job, rank: int, joined: RankState) -> Position | None:
+    def _job_cursor(
+        self, job: Job, rank: int, joined: RankState, ranks: Sequence[RankState]
+    ) -> Position | None:
         """Where a rank with no checkpoint starts when another rank of the job is just behind it, else None.
 
         That is the job's cursor, the earliest position of its ranks: a DDP job
@@ -689,7 +692,7 @@ class BatchServicer:
         own = job.normalise(joined.position, hot=True)
         now = time.monotonic()
         positions = []
-        for r in job.state().ranks:
+        for r in ranks:
             if r.rank == rank or r.generation == 0:
                 continue
             position = job.normalise(r.position, hot=True)
