@@ -174,11 +174,12 @@ class _Session:
         and no other stream's batches. A write held back is done
         ``flush_every`` after the previous one, so the stored cursor is never
         more than that behind a trainer that pauses; one that comes while a
-        write is in flight follows it.
+        write is in flight follows it. After a failed write there is no
+        other: the stream ends with its error.
         """
         target = self.acked
-        if target <= self.stored or self.replaced or self.writing is not None:
-            return
+        if target <= self.stored or self.replaced or self.writing is not None or self.write_failed:
+            return  # after a failed write the stream ends: an Ack still on its way starts no other
         now = time.monotonic()
         if not force and now - self.last_flush < self.flush_every:
             if self.deferred is None:

@@ -120,3 +120,39 @@ def test_a_failed_write_ends_the_stream_with_its_error_and_is_not_retried() -> N
 
     in_thread(scenario())
     assert len(store.advanced) == 1
+
+
+def test_an_ack_after_a_failed_write_starts_no_other_write() -> None:
+    """The trainer keeps acknowledging its prefetched batches until the stream's end reaches it.
+
+    An Ack that came between the failed write and the stream's end started a
+    second write; on a hung Redis the end then waited out a second timeout
+    (10 s, not 5) and logged the failure twice.
+    """
+
+    class Failing(Store):
+        def advance(self, job: str, rank: int, generation: int, to: Position) -> None:
+            self.advanced.append((to, "x"))
+            raise RuntimeError("the store is gone")
+
+    store = Failing()
+
+    async def scenario() -> None:
+        s = session(store)
+        s.acked = s.sent = Position(0, 2)
+        s.flush(force=True)
+        writing = in_flight(s)
+        assert writing is not None
+        await asyncio.wait([writing])
+        while in_flight(s) is writing:  # let _written note the failure
+            await asyncio.sleep(0)
+        assert isinstance(s.failure, RuntimeError)
+        s.sent = s.acked = Position(0, 3)  # an Ack in the reader's queue
+        s.flush()
+        s.flush(force=True)
+        assert in_flight(s) is None, "a write after the failure"
+        assert s.deferred is None, "a write held back after the failure"
+        await s.drain()
+
+    in_thread(scenario())
+    assert len(store.advanced) == 1, store.advanced
