@@ -26,6 +26,14 @@ class Store:
         self.advanced.append((to, threading.current_thread().name))
 
 
+class Failing(Store):
+    """Every advance fails (a store that is gone)."""
+
+    def advance(self, job: str, rank: int, generation: int, to: Position) -> None:
+        self.advanced.append((to, "x"))
+        raise RuntimeError("the store is gone")
+
+
 def session(store: Store, executor: Any = None) -> _Session:
     job: Any = SimpleNamespace(name="j", store=store)
     return _Session(job, 0, 1, Position(0, 0), 4, flush_every=0.05, store_executor=executor)
@@ -105,11 +113,6 @@ def test_writes_run_on_the_store_threads_one_at_a_time_and_the_last_one_is_await
 
 
 def test_a_failed_write_ends_the_stream_with_its_error_and_is_not_retried() -> None:
-    class Failing(Store):
-        def advance(self, job: str, rank: int, generation: int, to: Position) -> None:
-            self.advanced.append((to, "x"))
-            raise RuntimeError("the store is gone")
-
     store = Failing()
 
     async def scenario() -> None:
@@ -129,11 +132,6 @@ def test_an_ack_after_a_failed_write_starts_no_other_write() -> None:
     second write; on a hung Redis the end then waited out a second timeout
     (10 s, not 5) and logged the failure twice.
     """
-
-    class Failing(Store):
-        def advance(self, job: str, rank: int, generation: int, to: Position) -> None:
-            self.advanced.append((to, "x"))
-            raise RuntimeError("the store is gone")
 
     store = Failing()
 
