@@ -157,11 +157,15 @@ LOCAL_HOSTS: Final = frozenset({"127.0.0.1", "localhost", "[::1]"})
 
 
 def _host_name(host: str) -> str:
-    """``host`` of a Host header without its port (``[::1]:8080`` -> ``[::1]``), lower case."""
+    """``host`` of a Host header without its port (``[::1]:8080`` -> ``[::1]``), lower case.
+
+    A name's trailing dot (``localhost.``, the fully qualified form) is dropped.
+    """
     host = host.strip().lower()
     if host.startswith("["):
         return host[: host.find("]") + 1] if "]" in host else host
-    return host.split(":", 1)[0]
+    name = host.split(":", 1)[0]
+    return name[:-1] if name.endswith(".") else name
 
 
 class _LocalHostsOnly:
