@@ -553,7 +553,8 @@ def _loop_dataloader(dataset: str, cap: int | None, workers: int) -> dict[str, A
             if self.assembler is None:
                 self.assembler = Assembler(open_dataset(dataset))
             rows, padded_len = self.steps[i]
-            b = self.assembler.assemble(rows, padded_len)  # not released: the tensors keep the memory
+            # not released: the tensors keep the memory
+            b = self.assembler.assemble(rows, padded_len, max_len=ScheduleConfig().max_seq_len)
             mask = (np.arange(padded_len, dtype=np.int32)[None, :] < b.lengths[:, None]).astype(np.int8)
             arrays = {
                 "input_ids": b.input_ids,

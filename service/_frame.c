@@ -292,11 +292,11 @@ static Py_ssize_t chunk_of(const int64_t *first, Py_ssize_t n, int64_t row) {
 #define PLAN_ROW (5 * 8 + 4)
 
 /*
- * Each row's length cut to `width`, the chunks of its tokens and mask and where they start, and
+ * Each row's length cut to `limit`, the chunks of its tokens and mask and where they start, and
  * the int32 lengths, into `out` (n * PLAN_ROW bytes); the sum of the cut lengths, or -1 with
  * ValueError naming the first row outside [0, num_rows).
  */
-static long long plan_rows(const int64_t *r, Py_ssize_t n, Py_ssize_t width, const int64_t *off,
+static long long plan_rows(const int64_t *r, Py_ssize_t n, Py_ssize_t limit, const int64_t *off,
                            Py_ssize_t num_rows, const int64_t *idf, Py_ssize_t n_ids, const int64_t *idd,
                            const int64_t *mf, Py_ssize_t n_mask, const int64_t *md, char *out) {
     int64_t low = r[0], high = r[0];
@@ -314,7 +314,7 @@ static long long plan_rows(const int64_t *r, Py_ssize_t n, Py_ssize_t width, con
     long long real = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
         int64_t start = off[r[i]], len = off[r[i] + 1] - start;
-        cut[i] = len < width ? len : width;
+        cut[i] = len < limit ? len : limit;
         ic[i] = chunk_of(idf, n_ids, r[i]);
         mc[i] = chunk_of(mf, n_mask, r[i]);
         ia[i] = start + idd[ic[i]];
@@ -343,17 +343,18 @@ static int tables_agree(const Tables *t) {
            t->ids_delta.len == t->ids_first.len && t->mask_delta.len == t->mask_first.len;
 }
 
-static long long plan_with(const Tables *t, const int64_t *rows, Py_ssize_t n, Py_ssize_t width, char *out) {
-    return plan_rows(rows, n, width, t->offsets.buf, t->offsets.len / 8 - 1, t->ids_first.buf,
+static long long plan_with(const Tables *t, const int64_t *rows, Py_ssize_t n, Py_ssize_t limit, char *out) {
+    return plan_rows(rows, n, limit, t->offsets.buf, t->offsets.len / 8 - 1, t->ids_first.buf,
                      t->ids_first.len / 8, t->ids_delta.buf, t->mask_first.buf, t->mask_first.len / 8,
                      t->mask_delta.buf, out);
 }
 
 /*
- * plan(rows, width, offsets, ids_first, ids_delta, mask_first, mask_delta) -> (bytes, real_tokens)
+ * plan(rows, limit, offsets, ids_first, ids_delta, mask_first, mask_delta) -> (bytes, real_tokens)
  *
  * What `frame` needs to know of each row, in one pass and without a numpy
- * call: five int64 arrays (each row's length cut to `width`, the chunks of
+ * call: five int64 arrays (each row's length cut to `limit`, at most the
+ * batch's width, the chunks of
  * its tokens and mask, and where they start in those chunks' values) and the
  * int32 lengths, laid end to end, and the sum of the cut lengths. Every row
  * must lie in [0, len(offsets) - 1): the first one outside is named.
@@ -361,19 +362,19 @@ static long long plan_with(const Tables *t, const int64_t *rows, Py_ssize_t n, P
 static PyObject *plan(PyObject *self, PyObject *args) {
     Py_buffer rows = {0};
     Tables t = {0};
-    Py_ssize_t width;
+    Py_ssize_t limit;
     PyObject *out = NULL, *result = NULL;
-    if (!PyArg_ParseTuple(args, "y*ny*y*y*y*y*", &rows, &width, &t.offsets, &t.ids_first, &t.ids_delta,
+    if (!PyArg_ParseTuple(args, "y*ny*y*y*y*y*", &rows, &limit, &t.offsets, &t.ids_first, &t.ids_delta,
                           &t.mask_first, &t.mask_delta))
         return NULL;
     Py_ssize_t n = rows.len / 8;
-    if (n < 1 || rows.len != n * 8 || width < 1 || !tables_agree(&t)) {
+    if (n < 1 || rows.len != n * 8 || limit < 1 || !tables_agree(&t)) {
         PyErr_SetString(PyExc_ValueError, "plan: the row, offset and chunk arrays do not agree");
         goto done;
     }
     out = PyBytes_FromStringAndSize(NULL, n * PLAN_ROW);
     if (!out) goto done;
-    long long real = plan_with(&t, rows.buf, n, width, PyBytes_AS_STRING(out));
+    long long real = plan_with(&t, rows.buf, n, limit, PyBytes_AS_STRING(out));
     if (real >= 0) result = Py_BuildValue("(OL)", out, real);
 done:
     Py_XDECREF(out);
@@ -512,23 +513,25 @@ static int take_rows(PyObject *obj, Py_buffer *view) {
 }
 
 /*
- * build(epoch, step, rank, bucket, fingerprint, rows, width, pad, offsets, ids_first, ids_delta,
+ * build(epoch, step, rank, bucket, fingerprint, rows, width, limit, pad, offsets, ids_first, ids_delta,
  *       mask_first, mask_delta, ids_chunks, mask_chunks[, ids_kind, mask_kind]) -> (frame, real_tokens, rows)
  *
  * `plan`, codec.batch_frame_head and `frame` in one call: the whole batch frame of `rows` (a 1-D
- * int64 array) with no Python in between. Raises TypeError, ValueError or OverflowError for
+ * int64 array) with no Python in between. Rows are cut to `limit` (>= 1; one above `width` is
+ * `width`) and padded to `width`. Raises TypeError, ValueError or OverflowError for
  * anything the checked path would refuse (Assembler.frame then takes that path, which names what
  * is wrong); the bytes are the checked path's (tested). The kinds name the chunks' integer type
  * ("i4" ids and "i1" masks by default, copied as they are; any other is converted, and a value
  * outside the wire's int32 or int8 raises OverflowError).
  */
 static PyObject *build(PyObject *self, PyObject *args) {
-    PyObject *epoch_o, *step_o, *rank_o, *bucket_o, *fp_o, *rows_o, *width_o, *pad_o, *ids_list, *mask_list;
+    PyObject *epoch_o, *step_o, *rank_o, *bucket_o, *fp_o, *rows_o, *width_o, *limit_o, *pad_o, *ids_list,
+        *mask_list;
     Tables t = {0};
     const char *ids_text = "i4", *mask_text = "i1";
     Kind ids_kind, mask_kind;
-    if (!PyArg_ParseTuple(args, "OOOOUOOOy*y*y*y*y*OO|ss", &epoch_o, &step_o, &rank_o, &bucket_o, &fp_o, &rows_o,
-                          &width_o, &pad_o, &t.offsets, &t.ids_first, &t.ids_delta, &t.mask_first,
+    if (!PyArg_ParseTuple(args, "OOOOUOOOOy*y*y*y*y*OO|ss", &epoch_o, &step_o, &rank_o, &bucket_o, &fp_o,
+                          &rows_o, &width_o, &limit_o, &pad_o, &t.offsets, &t.ids_first, &t.ids_delta, &t.mask_first,
                           &t.mask_delta, &ids_list, &mask_list, &ids_text, &mask_text))
         return NULL;
     if (parse_kind(ids_text, &ids_kind) < 0 || parse_kind(mask_text, &mask_kind) < 0) {
@@ -540,12 +543,14 @@ static PyObject *build(PyObject *self, PyObject *args) {
     Py_ssize_t n_ids = 0, n_mask = 0;
     char *plan_buf = NULL;
     PyObject *out = NULL, *result = NULL;
-    long long epoch, step, rank, bucket, width_ll, pad_ll;
+    long long epoch, step, rank, bucket, width_ll, limit_ll, pad_ll;
     if (as_int(epoch_o, 0, ~0ULL, &epoch) < 0 || as_int(step_o, 0, ~0ULL, &step) < 0 ||
         as_int(rank_o, 0, U32_MAX, &rank) < 0 || as_int(bucket_o, 0, U32_MAX, &bucket) < 0 ||
-        as_int(width_o, 1, U32_MAX, &width_ll) < 0 || as_int(pad_o, INT32_MIN, INT32_MAX, &pad_ll) < 0)
+        as_int(width_o, 1, U32_MAX, &width_ll) < 0 || as_int(limit_o, 1, ~0ULL, &limit_ll) < 0 ||
+        as_int(pad_o, INT32_MIN, INT32_MAX, &pad_ll) < 0)
         goto done;
     Py_ssize_t width = (Py_ssize_t)width_ll;
+    if (limit_ll < 0 || limit_ll > width_ll) limit_ll = width_ll; /* none of a row is cut past the width */
     int pad = (int)pad_ll;
     Py_ssize_t fp_len;
     const char *fp = PyUnicode_AsUTF8AndSize(fp_o, &fp_len);
@@ -566,7 +571,7 @@ static PyObject *build(PyObject *self, PyObject *args) {
         PyErr_NoMemory();
         goto done;
     }
-    long long real = plan_with(&t, rows.buf, n, width, plan_buf);
+    long long real = plan_with(&t, rows.buf, n, (Py_ssize_t)limit_ll, plan_buf);
     if (real < 0) goto done;
     if (take_all(ids_list, &ids_src, &n_ids, "ids_chunks") < 0) goto done;
     if (take_all(mask_list, &mask_src, &n_mask, "mask_chunks") < 0) goto done;
@@ -594,10 +599,10 @@ static PyMethodDef methods[] = {
      "frame(head, gap, samples, lengths, ids_chunks, mask_chunks, ids_chunk, mask_chunk, ids_at, mask_at, "
      "cut, width, pad) -> bytes: a batch frame joined from the dataset's buffers"},
     {"plan", plan, METH_VARARGS,
-     "plan(rows, width, offsets, ids_first, ids_delta, mask_first, mask_delta) -> (bytes, real_tokens): "
+     "plan(rows, limit, offsets, ids_first, ids_delta, mask_first, mask_delta) -> (bytes, real_tokens): "
      "each row's cut length, chunks and starts (five int64 arrays) and the int32 lengths, end to end"},
     {"build", build, METH_VARARGS,
-     "build(epoch, step, rank, bucket, fingerprint, rows, width, pad, offsets, ids_first, ids_delta, "
+     "build(epoch, step, rank, bucket, fingerprint, rows, width, limit, pad, offsets, ids_first, ids_delta, "
      "mask_first, mask_delta, ids_chunks, mask_chunks) -> (frame, real_tokens, rows): plan, header and "
      "frame in one call"},
     {NULL, NULL, 0, NULL},

@@ -67,7 +67,7 @@ _MIN_ROW_CAPACITY = 64
 # Distinct pad ids whose pad rows are cached (one in practice).
 _MAX_PAD_IDS = 4
 # Per row of a batch: chunk of input_ids, chunk of loss_mask, their start in
-# those chunks' values, and the row's length cut to padded_len.
+# those chunks' values, and the row's length cut to max_len (at most padded_len).
 _Plan = Iterator[tuple[int, int, int, int, int]]
 
 
@@ -441,21 +441,25 @@ class Assembler:
         padded_len: int,
         pad_id: int = 0,
         out: BatchBuffers | None = None,
+        *,
+        max_len: int | None = None,
     ) -> BatchBuffers:
         """The batch of dataset ``rows`` (1-D integers, in this order), each padded to ``padded_len``.
 
-        Rows longer than ``padded_len`` are cut to their first ``padded_len``
-        tokens (the schedule gives ``padded_len`` >= every cut length, so this
-        only cuts over-long rows). ``out``, when given, is overwritten and
+        Rows longer than ``max_len`` (the config's ``max_seq_len``; None or
+        above ``padded_len``: ``padded_len``) are cut to their first
+        ``max_len`` tokens. The schedule's ``padded_len`` is the longest cut
+        length rounded up to ``pad_to_multiple_of``, so it can exceed
+        ``max_seq_len``: the cut is not the width. ``out``, when given, is overwritten and
         returned (its arrays grow if the batch does not fit); otherwise the
         arrays come from a released batch when one fits, else are allocated.
 
         Raises ``ValueError`` for rows outside ``[0, num_rows)``, a
-        ``padded_len`` below 1, a ``pad_id`` outside int32 or a released ``out``,
+        ``padded_len`` or ``max_len`` below 1, a ``pad_id`` outside int32 or a released ``out``,
         and ``DatasetChangedError`` (logged once) when a data file changed on
         disk since the dataset was opened: no token page is read then.
         """
-        row_ids, width, pad = self._checked(rows, padded_len, pad_id)
+        row_ids, width, limit, pad = self._checked(rows, padded_len, max_len, pad_id)
         count = len(row_ids)
         tokens = count * width
         if out is None:
@@ -467,11 +471,15 @@ class Assembler:
                 out._storage = self._free.take(count, tokens)
             out._show(count, width)
             batch = out
-        self._fill(batch._storage, row_ids, width, pad)
+        self._fill(batch._storage, row_ids, width, limit, pad)
         return batch
 
-    def pieces(self, rows: npt.ArrayLike, padded_len: int, pad_id: int = 0) -> BatchPieces:
-        """The batch ``assemble(rows, padded_len, pad_id)`` makes, as byte pieces to join, copying no token.
+    def pieces(
+        self, rows: npt.ArrayLike, padded_len: int, pad_id: int = 0, *, max_len: int | None = None
+    ) -> BatchPieces:
+        """The batch ``assemble(rows, padded_len, pad_id, max_len=max_len)`` makes, as byte pieces to join.
+
+        No token is copied.
 
         Each row is a view of its tokens in the memory-mapped values buffer
         and, when it is shorter than ``padded_len``, a view of a shared pad
@@ -484,8 +492,8 @@ class Assembler:
         by row, a copy each. The views stay valid as long as the dataset.
         Raises as ``assemble``.
         """
-        row_ids, width, pad = self._checked(rows, padded_len, pad_id)
-        cut, plan = self._plan(row_ids, width)
+        row_ids, width, limit, pad = self._checked(rows, padded_len, max_len, pad_id)
+        cut, plan = self._plan(row_ids, limit)
         ids: list[memoryview] = []
         mask: list[memoryview] = []
         if self._wire_bytes:
@@ -521,8 +529,9 @@ class Assembler:
         bucket: int,
         schedule_fingerprint: str,
         pad_id: int = 0,
+        max_len: int | None = None,
     ) -> BatchFrame:
-        """The batch ``pieces(rows, padded_len, pad_id)`` makes, as ``codec.encode_batch_pieces`` frames it.
+        """The batch ``pieces(rows, padded_len, pad_id, max_len=...)`` makes, as one batch frame.
 
         With the compiled ``_frame`` extension (built with the package where a
         C compiler is found) the frame is allocated once at its final size and
@@ -543,6 +552,7 @@ class Assembler:
                     schedule_fingerprint,
                     rows,
                     padded_len,
+                    padded_len if max_len is None else max_len,
                     pad_id,
                     *self._tables,
                     self._ids_bytes,
@@ -560,7 +570,7 @@ class Assembler:
             "schedule_fingerprint": schedule_fingerprint,
         }
         if _frame_c is None or not self._wire_bytes:
-            pieces = self.pieces(rows, padded_len, pad_id)
+            pieces = self.pieces(rows, padded_len, pad_id, max_len=max_len)
             data = codec.encode_batch_pieces(
                 **fields,
                 padded_len=padded_len,
@@ -571,11 +581,11 @@ class Assembler:
             )
             return BatchFrame(data, pieces.num_tokens, len(pieces.lengths))
         # the rows' bounds are checked by the plan, in the same pass that reads their offsets
-        row_ids, width, pad = self._checked(rows, padded_len, pad_id, bounds=False)
+        row_ids, width, limit, pad = self._checked(rows, padded_len, max_len, pad_id, bounds=False)
         count = len(row_ids)
         if count:
             row_ids = np.ascontiguousarray(row_ids)
-            plan, real_tokens = _frame_c.plan(row_ids, width, *self._tables)
+            plan, real_tokens = _frame_c.plan(row_ids, limit, *self._tables)
         else:
             plan, real_tokens = b"", 0  # batch_frame_head refuses an empty batch
         head, gap = codec.batch_frame_head(**fields, rows=count, padded_len=width, real_tokens=real_tokens)
@@ -601,17 +611,18 @@ class Assembler:
         return BatchFrame(data, real_tokens, count)
 
     def _checked(
-        self, rows: npt.ArrayLike, padded_len: int, pad_id: int, *, bounds: bool = True
-    ) -> tuple[I64, int, int]:
-        """The arguments of a batch, checked (and the data files unchanged): row ids, width, pad id.
+        self, rows: npt.ArrayLike, padded_len: int, max_len: int | None, pad_id: int, *, bounds: bool = True
+    ) -> tuple[I64, int, int, int]:
+        """The arguments of a batch, checked (and the data files unchanged): row ids, width, cut, pad id.
 
         ``bounds=False`` leaves the rows' range to the caller (the compiled plan checks it).
         """
         row_ids = self._check_rows(rows, bounds=bounds)
         width = _check_int("padded_len", padded_len, 1, None)
+        limit = width if max_len is None else min(width, _check_int("max_len", max_len, 1, None))
         pad = _check_int("pad_id", pad_id, _INT32_MIN, _INT32_MAX)
         self._check_files()
-        return row_ids, width, pad
+        return row_ids, width, limit, pad
 
     def _check_files(self) -> None:
         """``DatasetChangedError`` (logged once) if a data file changed on disk since it was opened."""
@@ -637,9 +648,9 @@ class Assembler:
                 raise ValueError(f"row {bad} is outside the dataset's rows [0, {self.num_rows})")
         return row_ids
 
-    def _fill(self, storage: _Storage, rows: I64, width: int, pad: int) -> None:
+    def _fill(self, storage: _Storage, rows: I64, width: int, limit: int, pad: int) -> None:
         count = len(rows)
-        cut, plan = self._plan(rows, width)
+        cut, plan = self._plan(rows, limit)
         storage.lengths[:count] = cut
         storage.sample_ids[:count] = rows
         if self._byte_copy:
@@ -647,18 +658,18 @@ class Assembler:
         else:
             self._copy_cast(storage, rows, plan, width, pad)
 
-    def _plan(self, rows: I64, width: int) -> tuple[I64, _Plan]:
-        """Each row's length cut to ``width``, and where each row's tokens and mask start."""
-        cut, ids_chunk, mask_chunk, ids_at, mask_at = self._where(rows, width)
+    def _plan(self, rows: I64, limit: int) -> tuple[I64, _Plan]:
+        """Each row's length cut to ``limit``, and where each row's tokens and mask start."""
+        cut, ids_chunk, mask_chunk, ids_at, mask_at = self._where(rows, limit)
         columns = (ids_chunk, mask_chunk, ids_at, mask_at, cut)
         plan = zip(*(column.tolist() for column in columns), strict=True)
         return cut, plan
 
-    def _where(self, rows: I64, width: int) -> tuple[I64, I64, I64, I64, I64]:
-        """Each row's cut length, the chunks of its tokens and mask, and where they start (int64)."""
+    def _where(self, rows: I64, limit: int) -> tuple[I64, I64, I64, I64, I64]:
+        """Each row's length cut to ``limit``, the chunks of its tokens and mask, where they start (int64)."""
         offsets = self._offsets
         starts = offsets[rows]
-        cut = np.minimum(offsets[rows + 1] - starts, width).astype(np.int64, copy=False)
+        cut = np.minimum(offsets[rows + 1] - starts, limit).astype(np.int64, copy=False)
         if len(self._ids) == 1:
             ids_chunk = np.zeros(len(rows), dtype=np.int64)
         else:

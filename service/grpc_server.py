@@ -800,6 +800,7 @@ class BatchServicer:
                 rank=session.rank,
                 bucket=ref.bucket,
                 schedule_fingerprint=job.fingerprint,
+                max_len=job.config.max_seq_len,  # the width can be more (pad_to_multiple_of)
             )
             frame = batch.data
             meter.batch(

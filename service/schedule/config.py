@@ -70,7 +70,13 @@ class ScheduleConfig(BaseModel):
     max_batch_size: int = Field(
         default=64, ge=1, le=MAX_BATCH_SIZE, description="At most this many rows a batch."
     )
-    pad_to_multiple_of: int = Field(default=1, ge=1, le=4096)
+    pad_to_multiple_of: int = Field(
+        default=1,
+        ge=1,
+        le=4096,
+        description="A batch's width is its longest (cut) row rounded up to this; rows are still cut "
+        "at max_seq_len, so the width can exceed it.",
+    )
     seed: int = Field(default=0, ge=0, lt=2**63)
     interleave: Literal["stride", "random"] = "stride"
     rank_mode: Literal["mixed", "sync"] = "mixed"

@@ -62,7 +62,9 @@ def drain(it: Any, most: int) -> None:
         next(it)
 
 
-def check_rank_stream(dataset: Path, sched: Schedule, rank: int, got: list[dict[str, Any]]) -> None:
+def check_rank_stream(
+    dataset: Path, sched: Schedule, rank: int, got: list[dict[str, Any]], max_seq_len: int = 512
+) -> None:
     table = open_dataset(dataset).table
     assert [b["step"] for b in got] == list(range(sched.num_steps)), (
         f"rank {rank}: steps missing or out of order"
@@ -78,7 +80,8 @@ def check_rank_stream(dataset: Path, sched: Schedule, rank: int, got: list[dict[
         ids = table.column("input_ids").take(rows).to_pylist()
         mask = table.column("loss_mask").take(rows).to_pylist()
         for i, (row_ids, row_mask) in enumerate(zip(ids, mask, strict=True)):
-            n = min(len(row_ids), b["input_ids"].shape[1])
+            n = min(len(row_ids), max_seq_len)  # the width can be more (pad_to_multiple_of)
+            assert n <= b["input_ids"].shape[1]
             assert b["lengths"][i] == n
             assert b["input_ids"][i, :n].tolist() == row_ids[:n], (
                 f"rank {rank} step {step}: token bytes differ"
@@ -117,6 +120,27 @@ def test_ranks_consume_an_epoch_exactly_once(
     served = np.concatenate([b["sample_ids"] for r in results.values() for b in r])
     assert len(np.unique(served)) == len(served), "duplicate samples"
     assert len(served) + len(sched.dropped) == open_dataset(small_dataset).num_rows, "missing samples"
+
+
+def test_rows_are_cut_at_max_seq_len_when_batches_are_padded_wider(
+    server_factory: Factory, small_dataset: Path
+) -> None:
+    """max_seq_len 100, pad_to_multiple_of 64: batches are 128 wide, and long rows arrived 128 long."""
+    flags = ["--max-seq-len", "100", "--bucket-bounds", "0,48,101", "--pad-to-multiple-of", "64"]
+    server = server_factory(extra=flags)
+    with BatchClient(0, 1, server.address, "cut", timeout=30) as client:
+        got = consume(client)
+    config = ScheduleConfig(
+        max_seq_len=100,
+        bucket_bounds=(0, 48, 101),
+        token_budget=3072,
+        max_batch_size=16,
+        pad_to_multiple_of=64,
+    )
+    sched = reference(small_dataset, 1, config=config)
+    assert {b["input_ids"].shape[1] for b in got} == {64, 128}
+    assert max(int(b["lengths"].max()) for b in got) == 100
+    check_rank_stream(small_dataset, sched, 0, got, max_seq_len=100)
 
 
 @pytest.mark.parametrize("reader", ["polled", "thread"])

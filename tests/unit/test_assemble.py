@@ -45,18 +45,19 @@ I64 = npt.NDArray[np.int64]
 
 
 def reference(
-    ds: TokenDataset, rows: npt.ArrayLike, padded_len: int, pad_id: int = 0
+    ds: TokenDataset, rows: npt.ArrayLike, padded_len: int, pad_id: int = 0, max_len: int | None = None
 ) -> tuple[npt.NDArray[np.int32], npt.NDArray[np.int8], npt.NDArray[np.int32]]:
     """The batch built the slow, obvious way: one Python list per row from Arrow."""
+    cut = padded_len if max_len is None else min(max_len, padded_len)
     row_list = [int(r) for r in np.asarray(rows).tolist()]
     ids = np.full((len(row_list), padded_len), pad_id, dtype=np.int32)
     mask = np.zeros((len(row_list), padded_len), dtype=np.int8)
     lengths = np.zeros(len(row_list), dtype=np.int32)
     tokens, masks = ds.table.column("input_ids"), ds.table.column("loss_mask")
     for i, row in enumerate(row_list):
-        toks = tokens[row].as_py()[:padded_len]
+        toks = tokens[row].as_py()[:cut]
         ids[i, : len(toks)] = toks
-        mask[i, : len(toks)] = masks[row].as_py()[:padded_len]
+        mask[i, : len(toks)] = masks[row].as_py()[:cut]
         lengths[i] = len(toks)
     return ids, mask, lengths
 
@@ -79,11 +80,16 @@ def assert_matches(
 
 
 def assert_pieces_match(
-    asm: Assembler, ds: TokenDataset, rows: npt.ArrayLike, padded_len: int, pad_id: int = 0
+    asm: Assembler,
+    ds: TokenDataset,
+    rows: npt.ArrayLike,
+    padded_len: int,
+    pad_id: int = 0,
+    max_len: int | None = None,
 ) -> None:
     """``Assembler.pieces`` joined gives the reference arrays' little-endian bytes."""
-    ids, mask, lengths = reference(ds, rows, padded_len, pad_id)
-    pieces = asm.pieces(rows, padded_len, pad_id)
+    ids, mask, lengths = reference(ds, rows, padded_len, pad_id, max_len)
+    pieces = asm.pieces(rows, padded_len, pad_id, max_len=max_len)
     assert b"".join(pieces.input_ids) == ids.astype("<i4").tobytes(), "input_ids pieces differ"
     assert b"".join(pieces.loss_mask) == mask.astype("<i1").tobytes(), "loss_mask pieces differ"
     assert pieces.lengths.dtype == np.int32, "lengths is not int32"
@@ -91,15 +97,17 @@ def assert_pieces_match(
     assert pieces.sample_ids.tolist() == np.asarray(rows).tolist(), "sample_ids are not the rows"
     assert pieces.num_tokens == int(lengths.sum()), "num_tokens is not the sum of lengths"
     if len(pieces.lengths):
-        assert_frame_matches(asm, rows, padded_len, pad_id)
+        assert_frame_matches(asm, rows, padded_len, pad_id, max_len)
 
 
 FIELDS: dict[str, Any] = {"epoch": 3, "step": 70000, "rank": 1, "bucket": 2, "schedule_fingerprint": "0f" * 8}
 
 
-def assert_frame_matches(asm: Assembler, rows: npt.ArrayLike, padded_len: int, pad_id: int = 0) -> None:
+def assert_frame_matches(
+    asm: Assembler, rows: npt.ArrayLike, padded_len: int, pad_id: int = 0, max_len: int | None = None
+) -> None:
     """``Assembler.frame`` (compiled where built) is byte for byte the pieces joined by the codec."""
-    pieces = asm.pieces(rows, padded_len, pad_id)
+    pieces = asm.pieces(rows, padded_len, pad_id, max_len=max_len)
     joined = codec.encode_batch_pieces(
         padded_len=padded_len,
         input_ids=pieces.input_ids,
@@ -108,7 +116,7 @@ def assert_frame_matches(asm: Assembler, rows: npt.ArrayLike, padded_len: int, p
         sample_ids=pieces.sample_ids,
         **FIELDS,
     )
-    framed = asm.frame(rows, padded_len, pad_id=pad_id, **FIELDS)
+    framed = asm.frame(rows, padded_len, pad_id=pad_id, max_len=max_len, **FIELDS)
     assert type(framed.data) is bytes, "the frame is not bytes"
     assert framed.data == joined, "the frame differs from the joined pieces"
     assert framed.real_tokens == pieces.num_tokens, "real_tokens is not the pieces' token count"
@@ -276,6 +284,40 @@ def test_truncates_rows_longer_than_padded_len(synth: TokenDataset) -> None:
         batch = asm.assemble(rows, padded_len)
         assert_matches(batch, synth, rows, padded_len)
         assert (batch.lengths == padded_len).all(), "rows were not cut to padded_len"
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+def test_rows_are_cut_to_max_len_when_the_width_is_more(
+    synth: TokenDataset, compiled: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """max_seq_len 10 and pad_to_multiple_of 8 make batches 16 wide: rows reached trainers 16 long."""
+    if not compiled:
+        monkeypatch.setattr(assemble, "_build", None)
+        monkeypatch.setattr(assemble, "_frame_c", None)
+    asm = Assembler(synth)
+    rows = np.argsort(synth.lengths)[-8:]  # the longest rows, all longer than 16
+    assert int(synth.lengths[rows].min()) > 16
+    for padded_len, max_len in [(16, 10), (16, 16), (16, 40), (9, 1), (64, 63)]:
+        cut = min(padded_len, max_len)
+        batch = asm.assemble(rows, padded_len, max_len=max_len)
+        ids, mask, _ = reference(synth, rows, padded_len, 0, max_len)
+        assert batch.input_ids.tobytes() == ids.tobytes(), (padded_len, max_len)
+        assert batch.loss_mask.tobytes() == mask.tobytes(), (padded_len, max_len)
+        assert (batch.lengths == cut).all(), "rows were not cut to max_len"
+        assert (batch.input_ids[:, cut:] == 0).all(), "past max_len is not padding"
+        assert_pieces_match(asm, synth, rows, padded_len, 0, max_len)  # and the frame, by both paths
+        frame = asm.frame(rows, padded_len, max_len=max_len, **FIELDS)
+        assert frame.real_tokens == cut * len(rows)
+    with pytest.raises(ValueError, match="max_len"):
+        asm.assemble(rows, 16, max_len=0)
+    if compiled and assemble._build is not None:  # most batches are narrower than max_seq_len
+        fast = Assembler(synth)
+
+        def checked(*args: Any, **kwargs: Any) -> Any:
+            raise AssertionError("a batch narrower than max_len left the one-call frame")
+
+        monkeypatch.setattr(fast, "_checked", checked)
+        assert fast.frame(rows, 16, max_len=8192, **FIELDS) == asm.frame(rows, 16, **FIELDS)
 
 
 def test_pad_id_and_padding_mask(shards: TokenDataset) -> None:
@@ -768,7 +810,13 @@ class Recording(Assembler):
         self._jitter = jitter
 
     def assemble(
-        self, rows: npt.ArrayLike, padded_len: int, pad_id: int = 0, out: BatchBuffers | None = None
+        self,
+        rows: npt.ArrayLike,
+        padded_len: int,
+        pad_id: int = 0,
+        out: BatchBuffers | None = None,
+        *,
+        max_len: int | None = None,
     ) -> BatchBuffers:
         with self._count:
             self.started += 1
@@ -777,7 +825,7 @@ class Recording(Assembler):
         self.gate.wait(10)
         time.sleep(pause)
         try:
-            batch = super().assemble(rows, padded_len, pad_id, out)
+            batch = super().assemble(rows, padded_len, pad_id, out, max_len=max_len)
             self.made.append(batch)
             return batch
         finally:
@@ -930,6 +978,7 @@ def frame_checked(asm: Assembler, rows: Any, padded_len: Any, pad_id: Any, **fie
 @given(
     picks=st.lists(st.integers(0, 3999), min_size=1, max_size=40),
     width=st.integers(1, 700),
+    max_len=st.none() | st.integers(1, 800),
     pad_id=st.sampled_from([0, -1, 7, 2**31 - 1, -(2**31)]),
     epoch=st.sampled_from([0, 1, 2**32, 2**63, 2**64 - 1]),
     step=st.sampled_from([0, 70000, 2**64 - 1]),
@@ -942,6 +991,7 @@ def test_the_one_call_frame_is_the_checked_one(
     synth: TokenDataset,
     picks: list[int],
     width: int,
+    max_len: int | None,
     pad_id: int,
     epoch: int,
     step: int,
@@ -954,8 +1004,8 @@ def test_the_one_call_frame_is_the_checked_one(
     rows = np.array(picks, dtype=np.int64)
     fields: dict[str, Any] = {"epoch": epoch, "step": step, "rank": rank, "bucket": bucket}
     fields["schedule_fingerprint"] = fingerprint
-    got = asm.frame(rows, width, pad_id=pad_id, **fields)
-    assert got == frame_checked(asm, rows, width, pad_id, **fields)
+    got = asm.frame(rows, width, pad_id=pad_id, max_len=max_len, **fields)
+    assert got == frame_checked(asm, rows, width, pad_id, max_len=max_len, **fields)
     head, _ = codec.batch_frame_head(rows=len(rows), padded_len=width, real_tokens=got.real_tokens, **fields)
     assert got.data.startswith(head)
 
