@@ -189,8 +189,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="synthetic: multiply every length, e.g. 0.03125 for rows 1/32 as long (default: 1.0)",
     )
     make.add_argument("--vocab-size", type=int, help="default: 32000 synthetic, 4096 BPE")
-    make.add_argument("--split", choices=get_args(Split), default="documents", help="text: rows per file")
-    make.add_argument("--tokenizer", choices=get_args(TokenizerKind), default="bpe", help="text: bpe|bytes")
+    make.add_argument(
+        "--split",
+        choices=get_args(Split),
+        default="documents",
+        help="text: a row per file (documents, the default), top-level function or class, or paragraph",
+    )
+    make.add_argument(
+        "--tokenizer", choices=get_args(TokenizerKind), default="bpe", help="text: bpe (default) or bytes"
+    )
     for flag, what in (("--include", "file names to read (default all)"), ("--exclude", "names to skip")):
         make.add_argument(flag, action="append", default=[], metavar="GLOB", help=f"text, in folders: {what}")
     return parser

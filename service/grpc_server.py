@@ -613,7 +613,7 @@ class BatchServicer:
                     for key in stale:
                         del self._aligned_starts[key]
                 self._aligned_starts[(job.name, o.rank)] = (joined.generation, start, now)
-            self._warn_far_behind(job, o.rank, start, ranks)
+            self._warn_far_behind(job, o.rank, start, ranks, first=joined.generation == 1)
         lost = self._lost_writes(o, job, joined.generation)
         if lost:
             generation = max(joined.generation, o.resume.generation + 1)
@@ -653,23 +653,33 @@ class BatchServicer:
             return job.steps(behind.epoch, hot=True) - behind.step + ahead.step
         return FAR_BEHIND_STEPS * 1_000_000  # epochs apart: far, whatever their lengths
 
-    def _warn_far_behind(self, job: Job, rank: int, start: Position, ranks: Sequence[RankState]) -> None:
+    def _warn_far_behind(
+        self, job: Job, rank: int, start: Position, ranks: Sequence[RankState], *, first: bool
+    ) -> None:
         """Say so when a rank with no checkpoint starts far behind another (the store lost its
-        position, or a job expired while one rank was away): it replays what that rank trained."""
+        position, or a job expired while one rank was away): it replays what that rank trained.
+
+        ``first``: the store had no record of this rank (its first start, or one the store lost).
+        """
         ahead = [(job.normalise(r.position, hot=True), r.rank) for r in ranks if r.rank != rank]
         if not ahead:
             return
         lead, leader = max(ahead)
         if lead > start and self._steps_apart(job, start, lead) > FAR_BEHIND_STEPS:
+            why = (
+                "the store had no record of this rank (its first start, or a store that lost its data)"
+                if first
+                else "the store holds no later position of it (lost, or never written)"
+            )
             log.warning(
-                "job %s rank %d starts at %s with no checkpoint, behind rank %d at %s: the store holds no "
-                "later position of it (lost, or never written); if it trained before, resume it with "
-                "load_state_dict from its checkpoint",
+                "job %s rank %d starts at %s with no checkpoint, behind rank %d at %s: %s; if it trained "
+                "before, resume it with load_state_dict from its checkpoint",
                 job.name,
                 rank,
                 start,
                 leader,
                 lead,
+                why,
             )
 
     def _job_cursor(

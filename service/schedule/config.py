@@ -62,7 +62,9 @@ class ScheduleConfig(BaseModel):
         description="Increasing bucket edges [b0, b1, ..., bK]: bucket i holds lengths in "
         "[b_i, b_{i+1}). Or 'auto': the num_buckets edges that minimise padded tokens.",
     )
-    num_buckets: int = Field(default=6, ge=1, le=64, description="Buckets made by 'auto'.")
+    num_buckets: int = Field(
+        default=6, ge=1, le=64, description="Buckets made by 'auto' (unused with explicit edges)."
+    )
     max_seq_len: int = Field(default=8192, ge=1, le=MAX_SEQ_LEN, description="Longer samples are overlong.")
     token_budget: int = Field(
         default=49152, ge=1, le=MAX_TOKEN_BUDGET, description="rows x padded_len per batch."
@@ -190,11 +192,15 @@ class ScheduleConfig(BaseModel):
 
     def canonical_json(self) -> str:
         data = self.model_dump(mode="json")
+        if self.bucket_bounds != "auto":
+            # num_buckets means nothing beside explicit edges (it is kept for a later replace() with
+            # 'auto'): two servers that differ only there serve the same schedule, one job
+            data["num_buckets"] = len(self.bucket_bounds) - 1
         data["algorithm_version"] = ALGORITHM_VERSION
         return json.dumps(data, sort_keys=True, separators=(",", ":"))
 
     def fingerprint(self) -> str:
-        """A stable hash of every field plus the algorithm version (hex, 16 chars)."""
+        """A stable hash of every field that shapes the schedule, and the algorithm version (hex, 16 chars)."""
         return hashlib.sha256(self.canonical_json().encode()).hexdigest()[:16]
 
 

@@ -76,3 +76,4 @@ def test_a_rank_that_starts_an_epoch_behind_the_others_is_named(server_factory: 
     assert lines, f"no warning: {server.log_tail()}"
     assert " WARNING ladle.server: job behind rank 1 starts at " in lines[0], lines[0]
     assert "load_state_dict" in lines[0]
+    assert "no record of this rank (its first start" in lines[0], "a first start is not told apart"
