@@ -276,18 +276,22 @@ def _is_list_of_int(arrow_type: Any) -> bool:
 def _check_columns(where: str, table: Any) -> None:
     present = list(table.column_names)
     missing = [name for name in REQUIRED_COLUMNS if name not in present]
-    if missing:
-        raise MissingColumnsError(where, missing, present)
     schema = table.schema
+    if missing:
+        token_lists = [name for name in present if _is_list_of_int(schema.field(name).type)]
+        raise MissingColumnsError(where, missing, present, token_lists)
     for name in REQUIRED_COLUMNS:
         arrow_type = schema.field(name).type
         if not _is_list_of_int(arrow_type):
             value_type = getattr(arrow_type, "value_type", None)
-            hint = (
-                f"; cast it before save_to_disk: ds.cast_column({name!r}, Sequence(Value('int8')))"
-                if value_type is not None and pa.types.is_boolean(value_type)
-                else ""
-            )
+            hint = ""
+            if value_type is not None and pa.types.is_boolean(value_type):
+                hint = f"; cast it before save_to_disk: ds.cast_column({name!r}, Sequence(Value('int8')))"
+            elif pa.types.is_fixed_size_list(arrow_type) and pa.types.is_integer(value_type):
+                hint = (
+                    f"; cast it to a variable-length list before save_to_disk: "
+                    f"ds.cast_column({name!r}, Sequence(Value({str(value_type)!r})))"
+                )
             raise DatasetError(
                 f"dataset {where}: column {name!r} has Arrow type {arrow_type}; "
                 f"expected a list (or large_list) of integers{hint}"

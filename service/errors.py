@@ -127,16 +127,30 @@ class DatasetChangedError(DatasetError):
 
 
 class MissingColumnsError(DatasetError):
-    def __init__(self, path: str, missing: list[str], present: list[str]) -> None:
+    def __init__(self, path: str, missing: list[str], present: list[str], token_lists: list[str]) -> None:
+        """``token_lists``: the present columns that hold lists of integers (what could be renamed)."""
         self.missing = missing
+        hints = []
+        known = ("input_ids", "loss_mask", "labels", "attention_mask")
+        others = [name for name in token_lists if name not in known]
+        if "input_ids" in missing and others:
+            hints.append(
+                f"if {others[0]!r} holds the token ids: ds = ds.rename_column({others[0]!r}, 'input_ids')"
+            )
+        if "loss_mask" in missing:
+            if "labels" in present:
+                hints.append(
+                    "from labels: ds.map(lambda r: {'loss_mask': [int(t != -100) for t in r['labels']]})"
+                )
+            else:
+                hints.append(
+                    "for a loss on every token: ds.map(lambda r: {'loss_mask': [1] * len(r['input_ids'])})"
+                )
         super().__init__(
             f"dataset {path} lacks column(s) {missing}; it has {present}. "
             "ladle needs input_ids (list of int) and loss_mask (list of int, same lengths)"
-            + (
-                "; from labels: ds.map(lambda r: {'loss_mask': [int(t != -100) for t in r['labels']]})"
-                if "loss_mask" in missing and "labels" in present
-                else ""
-            )
+            + "".join(f"; {hint}" for hint in hints)
+            + " (then save_to_disk again)"
         )
 
 

@@ -200,7 +200,7 @@ class ScheduleConfig(BaseModel):
         return json.dumps(data, sort_keys=True, separators=(",", ":"))
 
     def fingerprint(self) -> str:
-        """A stable hash of every field that shapes the schedule, and the algorithm version (hex, 16 chars)."""
+        """A stable hash of the fields that shape the schedule and the algorithm version (hex, 16 chars)."""
         return hashlib.sha256(self.canonical_json().encode()).hexdigest()[:16]
 
 

@@ -341,6 +341,12 @@ def build_schedule(
             f"no complete step: {candidates} row(s) cannot give "
             f"each of {world_size} ranks a batch"
             + (" of one bucket (rank_mode='sync')" if config.rank_mode == "sync" else "")
+            + (
+                f" with remainder='drop', which left out {len(lost)} row(s) that could not fill a step "
+                "on every rank; remainder='split' serves them"
+                if config.remainder == "drop" and len(lost)
+                else ""
+            )
         )
 
     counts = np.bincount(packed.bucket, minlength=num_buckets)

@@ -507,6 +507,39 @@ def test_labels_without_a_loss_mask_gets_the_map_that_makes_one(tmp_path: Path) 
         open_dataset(save_table(tmp_path / "ds", table))
 
 
+def test_other_column_names_get_the_rename_and_the_map_that_fit(tmp_path: Path) -> None:
+    """A tokenizer's output named otherwise (tokens, no loss_mask) got the columns listed and nothing else."""
+    table = pa.table(
+        {
+            "tokens": pa.array([[1, 2], [3]], type=pa.list_(pa.int32())),
+            "attention_mask": pa.array([[1, 1], [1]], type=pa.list_(pa.int8())),
+            "text": ["a b", "c"],
+        }
+    )
+    with pytest.raises(MissingColumnsError) as info:
+        open_dataset(save_table(tmp_path / "ds", table))
+    message = str(info.value)
+    assert "ds.rename_column('tokens', 'input_ids')" in message
+    assert "'attention_mask' holds the token ids" not in message
+    assert "{'loss_mask': [1] * len(r['input_ids'])}" in message
+
+
+def test_a_fixed_size_list_gets_the_cast_that_fixes_it(tmp_path: Path) -> None:
+    features = datasets.Features(
+        {
+            "input_ids": datasets.Sequence(datasets.Value("int32"), length=2),
+            "loss_mask": datasets.Sequence(datasets.Value("int8")),
+        }
+    )
+    ds = datasets.Dataset.from_dict({"input_ids": [[1, 2], [3, 4]], "loss_mask": [[1, 1], [0, 1]]}, features)
+    ds.save_to_disk(str(tmp_path / "fixed"))
+    with pytest.raises(DatasetError, match=r"ds\.cast_column\('input_ids', Sequence\(Value\('int32'\)\)\)"):
+        open_dataset(tmp_path / "fixed")
+    fixed = ds.cast_column("input_ids", datasets.Sequence(datasets.Value("int32")))  # what it says, works
+    fixed.save_to_disk(str(tmp_path / "cast"))
+    assert open_dataset(tmp_path / "cast").lengths.tolist() == [2, 2]
+
+
 def test_columns_ladle_does_not_read_are_named_in_a_warning(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -238,5 +238,16 @@ def test_fewer_rows_than_ranks() -> None:
         build_schedule([5, 6, 7], ScheduleConfig(), world_size=4)
 
 
+def test_no_step_under_remainder_drop_names_the_policy() -> None:
+    """3 rows can serve 2 ranks (split does); the error blamed the row count, not the drop policy."""
+    assert build_schedule([5, 6, 7], ScheduleConfig(), world_size=2).num_steps == 1
+    policy = r"remainder='drop', which left out 3 row\(s\).*remainder='split'"
+    with pytest.raises(ScheduleError, match=policy):
+        build_schedule([5, 6, 7], ScheduleConfig(remainder="drop"), world_size=2)
+    with pytest.raises(ScheduleError) as info:
+        build_schedule([5, 6, 7], ScheduleConfig(), world_size=4)
+    assert "remainder" not in str(info.value), "split served what it could: the policy is not the cause"
+
+
 def test_lower_bound_helper_matches_stats() -> None:
     assert run_lower_bound([10, 1]).tolist() == [5, 1]
