@@ -25,7 +25,7 @@ import functools
 import logging
 import threading
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from concurrent.futures import Executor, ThreadPoolExecutor
 from typing import Any
 
@@ -42,6 +42,7 @@ from .errors import (
     FencedError,
     JobNotFoundError,
     LadleError,
+    StoreUnavailableError,
 )
 from .jobs import Job, JobRegistry
 from .limits import Limits
@@ -61,6 +62,10 @@ ALIGNED_START_S = 120.0
 ACK_FLUSH_SECONDS = 0.05
 # Threads that write streams' cursors to the store (each stream has at most one write in flight).
 STORE_WRITERS = 16
+# A stream that ended with its last acknowledged position unwritten (the store did not answer) has
+# it written when the store answers again: tried this long, at most LATE_WRITE_MAX_DELAY_S apart.
+LATE_WRITE_S = 600.0
+LATE_WRITE_MAX_DELAY_S = 5.0
 # Longest error message sent back: the status details and the trailer both carry it, and
 # a client refuses response headers and trailers over 16 KiB or so.
 _MAX_MESSAGE_CHARS = 2000
@@ -155,6 +160,10 @@ class _Session:
         self.deferred: asyncio.TimerHandle | None = None
         self.writing: asyncio.Future[Position] | None = None  # the store write in flight
         self.write_failed = False  # a cursor write failed: the stream ends, with no last write
+        self.write_error: BaseException | None = None
+        # called (on the event loop) when the stream has ended with a position the store did not take
+        self.on_unwritten: Callable[[_Session], None] | None = None
+        self.ended = False
         self.store_executor = store_executor
         self.failure: BaseException | None = None
         self.requests_done = False
@@ -237,17 +246,21 @@ class _Session:
         exc = done.exception()
         if exc is not None:
             self.write_failed = True
+            self.write_error = exc
             if not isinstance(exc, LadleError):
                 log.error("job %s rank %d: the cursor write failed", self.job.name, self.rank, exc_info=exc)
             elif not isinstance(exc, StreamAbortedError):  # the store is away: the trainer reconnects
                 log.warning(
-                    "job %s rank %d: the cursor write failed (%s); the stream ends and its trainer "
-                    "reconnects from its own position",
+                    "job %s rank %d: the cursor write failed (%s); the stream ends (a trainer still "
+                    "reading reconnects from its own position) and the position is written when the "
+                    "store answers again",
                     self.job.name,
                     self.rank,
                     exc,
                 )
             self.fail(exc)
+            if self.ended:  # the write outlived its stream (the trainer closed meanwhile)
+                self.end()
             return
         self.stored = max(self.stored, done.result())
         if self.acked > self.stored and self.failure is None:
@@ -256,6 +269,16 @@ class _Session:
     def _flush_deferred(self) -> None:
         self.deferred = None
         self.flush()
+
+    def end(self) -> None:
+        """The stream is over (after ``drain``): hand a position the store did not take to ``on_unwritten``.
+
+        A write still in flight calls this again when it fails.
+        """
+        self.ended = True
+        unwritten = self.acked > self.stored and isinstance(self.write_error, StoreUnavailableError)
+        if unwritten and not self.replaced and self.writing is None and self.on_unwritten is not None:
+            self.on_unwritten(self)
 
     def _reconcile(self, target: Position, why: str) -> None:
         """The store lost writes it had acknowledged: put back what this live trainer holds."""
@@ -332,6 +355,8 @@ class BatchServicer:
         self._aligned_lock = threading.Lock()  # Opens run on threads of their own
         # the streams' cursor writes: off the event loop, so a store that hangs stops no batch
         self.store_executor = ThreadPoolExecutor(STORE_WRITERS, thread_name_prefix="ladle-store")
+        # (job, rank) -> the retry of a position an ended stream could not write (on the event loop)
+        self._late_writes: dict[tuple[str, int], tuple[Position, asyncio.Task[None]]] = {}
         self.metrics = metrics if metrics is not None else ServerMetrics()
         self.metrics.watch_streams(self.stream_depths, self.limits.max_sessions, self.limits.per_job)
         self.metrics.schedules_cached = registry.schedules.__len__
@@ -350,6 +375,68 @@ class BatchServicer:
     def close(self) -> None:
         """Let the cursor writes still queued run, without waiting for them (after the server stopped)."""
         self.store_executor.shutdown(wait=False)
+
+    def abandon_late_writes(self) -> None:
+        """Stop retrying the positions ended streams could not write, naming each (on the event loop)."""
+        for (job, rank), (position, task) in list(self._late_writes.items()):
+            task.cancel()
+            log.warning(
+                "job %s rank %d: its trainer's position %s was never stored (the store did not answer "
+                "before shutdown); a trainer that restarts without its checkpoint repeats batches",
+                job,
+                rank,
+                position,
+            )
+        self._late_writes.clear()
+
+    def _write_late(self, session: _Session) -> None:
+        """Keep trying the last position of a stream that ended unwritten, until the store takes it.
+
+        The trainer may have read its last batch and closed (the end of its
+        run): nobody reconnects to put the position back, and without this a
+        restart without a checkpoint would repeat everything since the last
+        write the store took (an epoch, with a store that hung for seconds).
+        A write for the same rank by a newer process is fenced, so a trainer
+        that reconnected wins.
+        """
+        key, target = (session.job.name, session.rank), session.acked
+        earlier = self._late_writes.pop(key, None)
+        if earlier is not None:
+            earlier[1].cancel()
+
+        async def retry() -> None:
+            loop = asyncio.get_running_loop()
+            give_up, delay = loop.time() + LATE_WRITE_S, 0.5
+            try:
+                while True:
+                    await asyncio.sleep(delay)
+                    try:
+                        await loop.run_in_executor(self.store_executor, session._write, target)
+                    except StoreUnavailableError as exc:
+                        if loop.time() + delay > give_up:
+                            log.warning(
+                                "job %s rank %d: gave up storing position %s after %.0f s (%s); a trainer "
+                                "that restarts without its checkpoint repeats batches",
+                                *key,
+                                target,
+                                LATE_WRITE_S,
+                                exc,
+                            )
+                            return
+                        delay = min(delay * 2, LATE_WRITE_MAX_DELAY_S)
+                        continue
+                    except StreamAbortedError:
+                        return  # fenced: a newer trainer process holds the rank and its own position
+                    except Exception:
+                        log.exception("job %s rank %d: storing position %s failed", *key, target)
+                        return
+                    log.info("job %s rank %d: position %s stored after the store came back", *key, target)
+                    return
+            finally:
+                if self._late_writes.get(key, (None, None))[1] is asyncio.current_task():
+                    del self._late_writes[key]
+
+        self._late_writes[key] = (target, asyncio.get_running_loop().create_task(retry()))
 
     def stop_streams(self) -> None:
         """Ask every open stream to end with UNAVAILABLE (call on the server's event loop)."""
@@ -448,6 +535,9 @@ class BatchServicer:
                 other.fail(other._fenced(session.job))
                 del self._active[other_key]
         self._active[key] = session
+        late = self._late_writes.pop(key, None)
+        if late is not None:  # this stream's Open took the rank's position from its trainer
+            late[1].cancel()
         reader = asyncio.create_task(self._read(requests, session))
         meter = self.metrics.stream(session.job.name, session.rank)
         gone: BaseException | None = None  # the call ended under a write: no status can follow
@@ -474,6 +564,8 @@ class BatchServicer:
             reader.cancel()
             self.metrics.ended(meter)
             await session.drain()
+            session.on_unwritten = self._write_late
+            session.end()
             if self._active.get(key) is session:
                 del self._active[key]
             with self._aligned_lock:  # its start no longer holds back the ranks that join later

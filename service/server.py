@@ -212,6 +212,8 @@ class BatchServer:
         if self._server is not None:
             self._grpc_stopping = True
             await self._server.stop(0 if self._hurry else grace)
+        if self._servicer is not None:
+            self._servicer.abandon_late_writes()
 
     async def _stop_now(self) -> None:
         # grpc.aio honours a second stop(): stop(0) cancels the calls a running stop(grace) waits for

@@ -607,6 +607,42 @@ def test_a_hung_redis_ends_a_stream_after_one_write_timeout_with_one_log_line(
     assert len(failures) == 1, failures
 
 
+def test_a_trainer_that_closes_while_redis_hangs_has_its_position_stored_when_redis_answers(
+    redis_server_factory: Callable[..., Any], server_factory: Factory, small_dataset: Path
+) -> None:
+    """A trainer read its epoch's last batch and closed while a cursor write waited on a hung Redis:
+    the write failed after the stream had ended, nobody reconnected to put the position back, and the
+    store kept a position an epoch behind for good (a restart without a checkpoint replayed it)."""
+    redis = redis_server_factory()
+    server = server_factory(extra=["--redis-url", redis.url])
+    steps = reference(small_dataset, 1).num_steps
+    hung = False
+    try:
+        with BatchClient(0, 1, server.address, "late-write", timeout=60) as client:
+            batches = iter(client)
+            for _ in range(3):
+                next(batches)
+            time.sleep(0.3)  # stored (every 50 ms)
+            os.kill(redis.pid, signal.SIGSTOP)
+            hung = True
+            assert 3 + sum(1 for _ in batches) == steps, "the stream did not go on while the write waited"
+        time.sleep(7.0)  # the write in flight fails (5 s) after the trainer closed
+        assert http_get(server, "/readyz")[0] == 503
+    finally:
+        if hung:
+            os.kill(redis.pid, signal.SIGCONT)
+    deadline = time.monotonic() + 20
+    while True:
+        status, body = http_get(server, "/v1/jobs/late-write/cursor")
+        assert status == 200, body
+        rank = json.loads(body)["ranks"][0]
+        if (rank["epoch"], rank["step"]) in ((1, 0), (0, steps)):
+            break
+        assert time.monotonic() < deadline, f"the stored position stayed at {rank}, {steps} steps consumed"
+        time.sleep(0.2)
+    assert "stored after the store came back" in server.log_tail()
+
+
 def test_readiness_answers_within_a_second_while_redis_hangs(
     redis_server_factory: Callable[..., Any], server_factory: Factory
 ) -> None:
