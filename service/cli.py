@@ -105,10 +105,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="the HTTP API, metrics and page; 0 picks a free port (default: 8080)",
     )
     serve.add_argument("--no-http", action="store_true", help="serve gRPC only (no HTTP port at all)")
-    serve.add_argument(
-        "--state", default=DEFAULT_STATE, help=f"the embedded cursor store file (default: {DEFAULT_STATE})"
+    store = serve.add_mutually_exclusive_group()
+    store.add_argument(
+        "--state",
+        help=f"the embedded cursor store file, unless ${REDIS_URL_ENV} is set (default: {DEFAULT_STATE})",
     )
-    _add_store_options(serve)
+    _add_store_options(store)
     serve.add_argument(
         "--job-ttl",
         type=float,
@@ -388,7 +390,7 @@ def _serve(args: argparse.Namespace) -> int:
         config_from_args(args),
         host=args.host,
         grpc_port=args.grpc_port,
-        state=args.state,
+        state=args.state or DEFAULT_STATE,
         redis_url=_redis_url(args),
         job_ttl_s=args.job_ttl,
         limits=limits_from_args(args),
@@ -506,10 +508,13 @@ def _add_store_options(parser: argparse.ArgumentParser | argparse._MutuallyExclu
 
 
 def _redis_url(args: argparse.Namespace) -> str | None:
-    """``--redis-url``, else ``$LADLE_REDIS_URL`` unless ``--state`` was given; None: the embedded store."""
+    """``--redis-url``, else ``$LADLE_REDIS_URL`` unless ``--state`` was given; None: the embedded store.
+
+    A flag wins over the environment, for ``serve`` as for ``jobs``.
+    """
     if args.redis_url:
         return _check_redis_url(str(args.redis_url), "--redis-url")
-    if getattr(args, "state", None) and args.command == "jobs":
+    if getattr(args, "state", None):
         return None
     url = os.environ.get(REDIS_URL_ENV) or None
     return _check_redis_url(url, f"${REDIS_URL_ENV}") if url else None

@@ -158,10 +158,16 @@ def test_serve_passes_the_store_options(monkeypatch: pytest.MonkeyPatch, tmp_pat
     monkeypatch.setenv(cli.REDIS_URL_ENV, "redis://from-env:1/0")
     assert cli.main(["serve", str(tmp_path)]) == 0
     assert (seen["redis_url"], seen["job_ttl_s"]) == ("redis://from-env:1/0", 7 * 86400.0)
-    monkeypatch.delenv(cli.REDIS_URL_ENV)
+    # an explicit --state wins over the environment (it silently went to Redis, where `jobs` did not)
     assert cli.main(["serve", str(tmp_path), "--state", str(tmp_path / "s.db")]) == 0
     assert seen["redis_url"] is None
     assert seen["state"] == str(tmp_path / "s.db")
+    monkeypatch.delenv(cli.REDIS_URL_ENV)
+    assert cli.main(["serve", str(tmp_path)]) == 0
+    assert (seen["redis_url"], seen["state"]) == (None, cli.DEFAULT_STATE)
+    with pytest.raises(SystemExit) as refused:  # both: one store or the other, as for `jobs`
+        cli.main(["serve", str(tmp_path), "--state", "s.db", "--redis-url", "redis://h:1/2"])
+    assert refused.value.code == 2
 
 
 def _with_the_real_clock(target: Target) -> CursorStore:
