@@ -4,7 +4,7 @@
 store and starts serving (the HTTP face too when ``http_port`` is given, on
 its own thread); leaving stops the HTTP face, stops accepting calls, asks open
 streams to end (UNAVAILABLE, so clients reconnect and resume), waits up to
-the grace period and closes the store. ``serve_forever`` adds SIGTERM/SIGINT/SIGHUP
+the grace period and closes the store. ``serve_forever`` adds SIGTERM/SIGINT/SIGHUP/SIGQUIT
 handling for ``ladle serve``: the first signal shuts down gracefully, a second one
 cuts the grace short.
 """
@@ -268,11 +268,11 @@ def _check_port_free(host: str, port: int) -> None:
     """Raise the ``ConfigError`` a taken or forbidden gRPC port gets, before grpcio tries it.
 
     grpcio only says "Failed to bind" (and logs the reason to stderr), so the
-    reason is found the way the HTTP face finds it: by binding the address.
-    Other failures (an address this host lacks, say) are left to grpcio.
+    reason is found the way the HTTP face finds it: by binding the address
+    (port 0 too: a host name that does not resolve, or an address this
+    machine lacks, is the host's fault, not the port's). Other failures are
+    left to grpcio.
     """
-    if port == 0:
-        return
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except socket.gaierror as exc:
@@ -284,25 +284,30 @@ def _check_port_free(host: str, port: int) -> None:
             sock.bind(address)
             sock.listen(1)
         except OSError as exc:
+            reason = (exc.strerror or str(exc)).lower()  # "address already in use"
+            if exc.errno == errno.EADDRNOTAVAIL:
+                why = f"{host} is not an address of this machine ({reason}); give one it has, or 0.0.0.0"
+                raise ConfigError("host", why) from None
             if exc.errno in (errno.EADDRINUSE, errno.EACCES):
-                reason = (exc.strerror or str(exc)).lower()  # "address already in use"
                 raise ConfigError("grpc_port", f"cannot listen on {host}:{port}: {reason}") from None
 
 
-#: The signals that stop ``ladle serve``: the first gracefully, a second at once (no SIGHUP on Windows).
+#: The signals that stop ``ladle serve``: the first gracefully, a second at once (no SIGHUP or
+#: SIGQUIT on Windows). SIGQUIT (Ctrl-\) killed the server with no log and left its ready files.
 STOP_SIGNALS = tuple(
-    getattr(signal, name) for name in ("SIGTERM", "SIGINT", "SIGHUP") if hasattr(signal, name)
+    getattr(signal, name) for name in ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT") if hasattr(signal, name)
 )
 
 
 def serve_forever(
     server: BatchServer, *, ready_file: str | None = None, http_ready_file: str | None = None
 ) -> int:
-    """Run until SIGTERM, SIGINT or SIGHUP, then shut down gracefully; returns the exit code (0).
+    """Run until SIGTERM, SIGINT, SIGHUP or SIGQUIT, then shut down gracefully; returns the exit code (0).
 
     The first signal stops accepting calls and gives open streams the grace
-    period; a second one during it ends them at once. SIGHUP is left ignored
-    when it already was (``nohup ladle serve``).
+    period; a second one during it ends them at once. SIGHUP and SIGQUIT are
+    left ignored when they already were (``nohup ladle serve``, a job started
+    with ``&`` by a script).
 
     Once both faces serve, ``http_ready_file`` gets the HTTP face's ``host:port``
     and then ``ready_file`` the gRPC face's, so a script that waits for

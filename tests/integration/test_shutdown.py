@@ -36,12 +36,14 @@ time.sleep(600)
 
 @pytest.fixture
 def hup_default() -> Iterator[None]:
-    """Servers started meanwhile get SIGHUP's default action, even if this run was started by nohup."""
-    previous = signal.signal(signal.SIGHUP, signal.SIG_DFL)
+    """Servers started meanwhile get SIGHUP's and SIGQUIT's default actions, even if this run was
+    started by nohup or in the background by a script (which ignore them)."""
+    previous = {s: signal.signal(s, signal.SIG_DFL) for s in (signal.SIGHUP, signal.SIGQUIT)}
     try:
         yield
     finally:
-        signal.signal(signal.SIGHUP, previous)
+        for s, action in previous.items():
+            signal.signal(s, action)
 
 
 def ready_files(server: ServerProcess) -> list[Path]:
@@ -57,7 +59,8 @@ def wait_exit(server: ServerProcess, timeout: float) -> int | None:
 
 
 @pytest.mark.usefixtures("hup_default")
-def test_sighup_drains_and_exits_zero(server_factory: Factory) -> None:
+@pytest.mark.parametrize("signum", [signal.SIGHUP, signal.SIGQUIT])
+def test_sighup_and_sigquit_drain_and_exit_zero(server_factory: Factory, signum: int) -> None:
     server = server_factory()
     assert server.proc is not None
     client = BatchClient(0, 1, server.address, "hup", timeout=30, prefetch=2)
@@ -66,12 +69,12 @@ def test_sighup_drains_and_exits_zero(server_factory: Factory) -> None:
         for _ in range(4):
             next(it)
         assert len(ready_files(server)) == 2, "the ready files are not there while it serves"
-        server.proc.send_signal(signal.SIGHUP)
+        server.proc.send_signal(signum)
         code = wait_exit(server, 30)
     finally:
         client.close()
-    assert code == 0, f"SIGHUP: exit {code} (a negative one is the signal's), log: {server.log_tail()}"
-    assert f"signal {int(signal.SIGHUP)}: shutting down" in server.log_tail()
+    assert code == 0, f"signal {signum}: exit {code} (a negative one is the signal's): {server.log_tail()}"
+    assert f"signal {int(signum)}: shutting down" in server.log_tail()
     assert ready_files(server) == [], "the ready files outlived the server"
 
 

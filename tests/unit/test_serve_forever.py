@@ -63,7 +63,7 @@ def fallback() -> Iterator[None]:
     def _unhandled(signum: int, frame: FrameType | None) -> None:
         raise UnhandledSignalError(f"signal {signum} was not handled by serve_forever")
 
-    signals = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+    signals = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
     previous = {s: signal.signal(s, _unhandled) for s in signals}
     try:
         yield
@@ -142,3 +142,15 @@ def test_a_ready_file_another_server_rewrote_is_left(tmp_path: Path) -> None:
 def test_a_grace_that_is_not_a_finite_number_of_seconds(tmp_path: Path, grace: float) -> None:
     with pytest.raises(ConfigError, match="grace: must be a finite number of seconds >= 0"):
         server_module.BatchServer(tmp_path, ScheduleConfig(), grace=grace)
+
+
+@pytest.mark.parametrize("port", [0, 50999])
+def test_a_host_this_machine_lacks_is_named_not_the_port(port: int) -> None:
+    """--host 10.255.255.1 was "grpc_port: cannot listen", and with port 0 a name that did not resolve too."""
+    with pytest.raises(ConfigError, match="is not an address of this machine") as lacks:
+        server_module._check_port_free("10.255.255.1", port)
+    assert lacks.value.field == "host"
+    with pytest.raises(ConfigError, match="cannot resolve") as unknown:
+        server_module._check_port_free("no-such-host.invalid", port)
+    assert unknown.value.field == "host"
+    server_module._check_port_free("127.0.0.1", 0)  # a free port: nothing to say
