@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -378,6 +379,15 @@ def _serve(args: argparse.Namespace) -> int:
     from .server import BatchServer, serve_forever
 
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # named as the flags are: the server's own checks name its fields (ack_flush_s, in seconds)
+    if not math.isfinite(args.ack_flush_ms) or args.ack_flush_ms < 0:
+        raise ConfigError(
+            "ack_flush_ms", f"--ack-flush-ms must be a number of milliseconds >= 0, got {args.ack_flush_ms:g}"
+        )
+    if not math.isfinite(args.job_ttl) or args.job_ttl < 0:
+        raise ConfigError(
+            "job_ttl", f"--job-ttl must be a number of seconds >= 0 (0: never), got {args.job_ttl:g}"
+        )
     if 0 < args.job_ttl < MIN_JOB_TTL_S:
         # a job expires between two writes of a trainer that pauses (an evaluation, a slow checkpoint)
         raise ConfigError(

@@ -236,3 +236,21 @@ def test_a_job_ttl_shorter_than_a_minute_is_refused(capsys: pytest.CaptureFixtur
     err = capsys.readouterr().err
     assert "--job-ttl 5 s is shorter than 60 s" in err, err
     assert len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.parametrize(
+    ("flags", "shown"),
+    [
+        (["--ack-flush-ms", "-1"], "--ack-flush-ms must be a number of milliseconds >= 0, got -1"),
+        (["--ack-flush-ms", "nan"], "--ack-flush-ms must be a number of milliseconds >= 0, got nan"),
+        (["--job-ttl", "-5"], "--job-ttl must be a number of seconds >= 0 (0: never), got -5"),
+    ],
+)
+def test_bad_store_timings_are_named_as_their_flags(
+    capsys: pytest.CaptureFixture[str], flags: list[str], shown: str
+) -> None:
+    """They were named in the server's own units: "ack_flush_s: must be >= 0, got -0.001"."""
+    assert main(["serve", "no-such-dataset", *flags]) == 2
+    err = capsys.readouterr().err
+    assert shown in err, err
+    assert "_s:" not in err, err
