@@ -149,7 +149,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_store_options(where)
     jobs.add_argument("--json", action="store_true", help="machine-readable output, every rank included")
     jobs.add_argument(
-        "--delete", nargs="+", metavar="NAME", help="delete these jobs (exit 1 if one is unknown)"
+        "--delete",
+        nargs="+",
+        metavar="NAME",
+        help="delete these jobs (exit 1 if one is unknown); a name that starts with '-': --delete=-NAME",
     )
     jobs.add_argument(
         "--force",
