@@ -556,12 +556,20 @@ def _check_redis_url(url: str, where: str) -> str:
 def _jobs(args: argparse.Namespace) -> int:
     from .errors import StoreUnavailableError
     from .store import DEFAULT_JOB_TTL_S, open_store
+    from .store.base import CursorStore
 
     url = _redis_url(args)
     state = args.state or DEFAULT_STATE
     if url is None and not os.path.exists(state):
         raise StoreUnavailableError(f"no cursor store at {state} (give --state FILE or --redis-url URL)")
-    with open_store(redis_url=url, state_path=state, job_ttl_s=DEFAULT_JOB_TTL_S) as store:
+    if url is None and not args.delete:
+        # a listing is a read: a read-only copy, a file beside a busy writer, an older ladle's file as it is
+        from .store.embedded import EmbeddedStore
+
+        opened: CursorStore = EmbeddedStore(state, read_only=True)
+    else:
+        opened = open_store(redis_url=url, state_path=state, job_ttl_s=DEFAULT_JOB_TTL_S)
+    with opened as store:
         if args.delete:
             if not args.force:
                 live = _live_jobs(store, args.delete, time.time())

@@ -7,6 +7,13 @@ thousands of operations a second on one disk, far above what trainers
 acknowledge) and the file must be on a local filesystem (WAL needs shared
 memory, so NFS and similar mounts are not supported).
 
+Each transaction has a connection of its own (from a small pool), so reads see
+a WAL snapshot and never wait for a writer, even one stuck behind another
+process's write lock, and each write waits about the busy timeout at most,
+however many others wait with it. A store opened ``read_only`` never writes the file
+(no journal-mode change, no migration, no creation), so ``ladle jobs`` lists a
+read-only copy, a file beside a busy writer, or an older ladle's file as it is.
+
 A job nobody writes to for ``job_ttl_s`` seconds is gone: every write stores
 the job's expiry time with it (as Redis's key TTL is set by the writer, so
 every reader agrees on it), reads no longer see an expired job, and the next
@@ -24,10 +31,13 @@ the layer above and is shared with the Redis store; ``FencedError`` with
 
 from __future__ import annotations
 
+import logging
 import os
 import sqlite3
+import stat
 import threading
 import time
+import urllib.parse
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from typing import Final
@@ -53,6 +63,8 @@ from .base import (
 )
 
 __all__ = ["SCHEMA_VERSION", "EmbeddedStore"]
+
+log = logging.getLogger("ladle.server")
 
 # Stored in PRAGMA user_version; bump with a migration in ``_migrate``.
 SCHEMA_VERSION: Final = 3
@@ -95,9 +107,43 @@ _MIGRATE_1_TO_2: Final = (
 # Version 2 had no expiry: the jobs it holds never expire until written again.
 _MIGRATE_2_TO_3: Final = ("ALTER TABLE jobs ADD COLUMN expires REAL NOT NULL DEFAULT 0",)
 _RANK_COLUMNS: Final = "rank, epoch, step, generation, last_seen"
+# A job's row, then its expiry, as each schema holds them: a read-only store reads older files as
+# they are, with what their migration would add (version 1's fresh incarnations are left empty).
+_JOB_SELECT: Final = {
+    1: "job, dataset_fingerprint, config_fingerprint, world_size, created, updated, '', '[]', 0",
+    2: f"{_JOB_COLUMNS}, 0",
+    3: f"{_JOB_COLUMNS}, expires",
+}
 
 _JobRow = tuple[str, str, str, int, float, float, str, str]
 _RankRow = tuple[int, int, int, int, float]
+
+
+# A writing store checks at most this often that its file is still at its path.
+_FILE_CHECK_S: Final = 1.0
+
+# Guards a store's first call in a forked child, where the parent's locks may have been held.
+_fork_lock = threading.Lock()
+
+
+def _new_fork_lock() -> None:
+    global _fork_lock
+    _fork_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_new_fork_lock)
+
+
+def _file_kind(mode: int) -> str:
+    """What a path that is not a regular file is, for an error message."""
+    kinds = (
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISFIFO, "a FIFO (named pipe)"),
+        (stat.S_ISSOCK, "a socket"),
+    )
+    return next((kind for test, kind in kinds if test(mode)), "not a regular file")
 
 
 def _rank_state(row: _RankRow) -> RankState:
@@ -120,15 +166,33 @@ def _job_state(row: _JobRow, ranks: list[_RankRow]) -> JobState:
 class EmbeddedStore(CursorStore):
     """A ``CursorStore`` in one SQLite file, shared safely by threads and processes.
 
-    One connection per store object, guarded by a lock (threads of one process
-    queue on the lock, not on SQLite's sleeping busy handler); processes and
-    other store objects on the same file wait up to ``busy_timeout_s`` for the
-    file's write lock, then get ``StoreUnavailableError``. The file is created
-    (not its directory) and its schema checked on construction, so a bad path
-    fails at once. A store object used in a forked child reconnects there
-    instead of sharing the parent's connection. ``job_ttl_s`` (0: forever,
-    the default here; ``open_store`` passes the server's ``--job-ttl``) is how
-    long a job nobody writes to is kept.
+    Each transaction takes a connection of its own from the store's pool (as
+    many as run at once), so reads see a WAL snapshot and never wait for a
+    write. Writes of one store object take turns in the process (threads queue
+    here, not on SQLite's sleeping busy handler); processes and other store
+    objects on the same file wait for its write lock. Each write waits at most
+    ``busy_timeout_s`` in all (10 % more at worst), for its turn and the lock,
+    then gets ``StoreUnavailableError``, however many writes wait with it.
+
+    The file is created (not its directory) and its schema checked and
+    migrated on construction, so a bad path fails at once (the write lock is
+    taken only if there is a schema to create or migrate); a path that exists
+    and is not a regular file (a directory, a device, a FIFO) is refused
+    before SQLite touches it. Only that first connection may create the file:
+    one made later to a path whose file was removed or replaced is refused
+    (``StoreUnavailableError``, as ``ping`` does), and the first time the store
+    finds this it logs a warning. A store object used in a forked child opens
+    connections of its own there, never using the parent's. ``job_ttl_s`` (0:
+    forever, the default here; ``open_store`` passes the server's
+    ``--job-ttl``) is how long a job nobody writes to is kept.
+
+    ``read_only=True`` opens the file with SQLite's ``mode=ro``: it must exist
+    (``StoreError`` if not), its journal mode and schema are left as they are
+    (schema versions 1 to ``SCHEMA_VERSION`` are read), it needs no write lock,
+    and every write method raises ``StoreError``. On a folder it cannot write,
+    a file with no WAL to read (no ``-wal``, or an empty one) and no ``-shm`` is
+    read as immutable, on a fresh connection per transaction; one whose
+    ``-wal`` holds changes but has no ``-shm`` is refused with ``StoreError``.
     """
 
     def __init__(
@@ -138,6 +202,7 @@ class EmbeddedStore(CursorStore):
         clock: Clock = time.time,
         busy_timeout_s: float = 10.0,
         job_ttl_s: float = 0.0,
+        read_only: bool = False,
     ) -> None:
         super().__init__(clock=clock)
         self.job_ttl_s = check_job_ttl(job_ttl_s)
@@ -148,75 +213,172 @@ class EmbeddedStore(CursorStore):
                 "(state must outlive the process and be shared with other processes)"
             )
         self.busy_timeout_s = busy_timeout_s
-        self._lock = threading.Lock()
-        self._db: sqlite3.Connection | None = None
-        self._pid = 0
+        self.read_only = read_only
+        # Later connections open the same file even if the process changes its directory.
+        self._abspath = os.path.abspath(self.path)
+        self._uri = "file:" + urllib.parse.quote(self._abspath)
+        self._lock = threading.Lock()  # guards the pool; never held while SQLite waits
+        self._returned = threading.Condition(self._lock)
+        self._writing = threading.Lock()  # this object's writes take turns
+        self._idle: list[sqlite3.Connection] = []
+        self._in_use = 0
+        self._pid = os.getpid()
         self._file_id = (0, 0)
+        self._file_lost = False
+        self._file_checked = 0.0  # time.monotonic() of the last check after a write
         self._closed = False
-        with self._lock:
-            self._connection()
+        self._check_path()
+        db, reusable = self._connect(first=True)
+        if reusable:
+            self._idle.append(db)
+        else:
+            db.close()
 
     def __repr__(self) -> str:
-        return f"EmbeddedStore({self.path!r})"
+        return f"EmbeddedStore({self.path!r}{', read_only=True' if self.read_only else ''})"
 
-    # --- connection and transactions ---------------------------------------
+    # --- connections and transactions --------------------------------------
 
     def _unavailable(self, exc: sqlite3.Error) -> StoreUnavailableError:
         return StoreUnavailableError(f"cursor store {self.path}: {exc}")
 
-    def _connection(self) -> sqlite3.Connection:
-        """The open connection (the caller holds ``self._lock``), connecting if needed."""
-        if self._closed:
-            raise StoreUnavailableError(f"cursor store {self.path} is closed")
-        if self._db is not None and self._pid == os.getpid():
-            return self._db
-        # A connection inherited through fork must not be used (or closed) here.
-        self._db = None
+    def _check_path(self) -> None:
+        """Refuse, before SQLite opens it, a path that is no regular file (or, read-only, none at all)."""
         try:
-            db = sqlite3.connect(
-                self.path, timeout=self.busy_timeout_s, isolation_level=None, check_same_thread=False
+            mode = os.stat(self.path).st_mode
+        except (FileNotFoundError, NotADirectoryError):
+            if self.read_only:
+                raise StoreError(
+                    f"no cursor store at {self.path} (a read-only store does not create one)"
+                ) from None
+            return
+        except OSError:
+            return  # SQLite reports it as it opens the path (no permission, a loop)
+        if stat.S_ISDIR(mode):
+            raise StoreError(
+                f"cursor store {self.path}: is a directory, not a file "
+                f"(give a file path, e.g. {os.path.join(self.path, 'state.db')})"
             )
-        except sqlite3.Error as exc:
-            raise self._unavailable(exc) from exc
+        if not stat.S_ISREG(mode):
+            raise StoreError(f"cursor store {self.path}: is {_file_kind(mode)}, not a regular file")
+
+    def _connect(self, *, first: bool) -> tuple[sqlite3.Connection, bool]:
+        """A new connection, and whether it may go back to the pool after its transaction.
+
+        The ``first`` one (on construction) creates the file and migrates it
+        (read-only: checks its schema); later ones must find the same file.
+        """
+        db: sqlite3.Connection | None = None
         try:
-            db.execute(f"PRAGMA busy_timeout = {int(self.busy_timeout_s * 1000)}")
-            (mode,) = db.execute("PRAGMA journal_mode = WAL").fetchone()
-            if str(mode).lower() != "wal":
-                raise StoreUnavailableError(
-                    f"cursor store {self.path}: cannot switch to WAL mode (got {mode!r}); "
-                    "is it on a network filesystem?"
-                )
-            db.execute("PRAGMA synchronous = NORMAL")
-            db.execute("PRAGMA foreign_keys = ON")
-            self._migrate(db)
-            stat = os.stat(self.path)
+            if not first:
+                self._refuse_lost_file()  # else SQLite would open (or create) whatever is there now
+            if self.read_only:
+                db, reusable = self._open_read_only()
+                self._schema_version(db)
+            else:
+                db, reusable = self._open("mode=rwc" if first else "mode=rw"), True
+                db.execute("PRAGMA synchronous = NORMAL")
+                db.execute("PRAGMA foreign_keys = ON")
+                if first:
+                    (mode,) = db.execute("PRAGMA journal_mode = WAL").fetchone()
+                    if str(mode).lower() != "wal":
+                        raise StoreUnavailableError(
+                            f"cursor store {self.path}: cannot switch to WAL mode (got {mode!r}); "
+                            "is it on a network filesystem?"
+                        )
+                    self._migrate(db)
+            if first:
+                found = os.stat(self._abspath)
+                self._file_id = (found.st_dev, found.st_ino)
+            else:
+                self._refuse_lost_file()  # replaced while this connection opened
         except BaseException as exc:
-            db.close()
+            if db is not None:
+                db.close()
             if isinstance(exc, sqlite3.Error):
                 raise self._unavailable(exc) from exc
             if isinstance(exc, OSError):
                 raise StoreUnavailableError(f"cursor store {self.path}: {exc}") from exc
             raise
-        self._db, self._pid, self._file_id = db, os.getpid(), (stat.st_dev, stat.st_ino)
-        return db
+        return db, reusable
+
+    def _open(self, query: str) -> sqlite3.Connection:
+        return sqlite3.connect(
+            f"{self._uri}?{query}",
+            uri=True,
+            timeout=self.busy_timeout_s,
+            isolation_level=None,
+            check_same_thread=False,
+        )
+
+    def _open_read_only(self) -> tuple[sqlite3.Connection, bool]:
+        """A ``mode=ro`` connection that has read the file, else an immutable one where that is safe.
+
+        Reading a WAL file needs its ``-shm``, which SQLite creates if the
+        folder allows; without one, and with no WAL content to miss, the file
+        is read as it is (``immutable``), never to be reused: a writer may
+        start on it later.
+        """
+        db = self._open("mode=ro")
+        try:
+            db.execute("PRAGMA user_version").fetchone()  # opens the WAL and its -shm, if any
+            return db, True
+        except sqlite3.OperationalError as exc:
+            db.close()
+            shm, wal = f"{self._abspath}-shm", f"{self._abspath}-wal"
+            folder = os.path.dirname(self._abspath)
+            if (
+                exc.sqlite_errorcode != sqlite3.SQLITE_CANTOPEN
+                or os.path.exists(shm)
+                or os.access(folder, os.W_OK)
+            ):
+                raise
+            if os.path.exists(wal) and os.path.getsize(wal) > 0:
+                raise StoreError(
+                    f"cursor store {self.path}: cannot be read read-only: {wal} holds recent writes, "
+                    f"but there is no {shm} and its folder is not writable to create one (copy the "
+                    "file with its -wal to a writable folder, or open it once with write access)"
+                ) from exc
+        return self._open("mode=ro&immutable=1"), False
+
+    def _schema_version(self, db: sqlite3.Connection) -> int:
+        """The file's schema version; refuse files of a newer ladle or of another program."""
+        (version,) = db.execute("PRAGMA user_version").fetchone()
+        if version > SCHEMA_VERSION:
+            raise StoreError(
+                f"cursor store {self.path} has schema version {version}, newer than this "
+                f"ladle's {SCHEMA_VERSION}; upgrade ladle or use another file"
+            )
+        if version == 0:
+            tables = [r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")]
+            if tables:
+                raise StoreError(
+                    f"{self.path} is an SQLite database but not a ladle cursor store "
+                    f"(it has tables {sorted(tables)}); use another file"
+                )
+            if self.read_only:
+                raise StoreError(
+                    f"cursor store {self.path} is empty: `ladle serve` creates its schema "
+                    "(a read-only store does not)"
+                )
+        return int(version)
 
     def _migrate(self, db: sqlite3.Connection) -> None:
-        """Create the schema in a new file; refuse files of a newer ladle or of another program."""
+        """Create the schema in a new file or bring an older one up to date (in one transaction).
+
+        A file of the current schema needs no write lock, so a server starts beside a busy writer.
+        """
+        db.execute("BEGIN")
+        try:
+            current = self._schema_version(db) == SCHEMA_VERSION
+        finally:
+            db.rollback()
+        if current:
+            return
         db.execute("BEGIN IMMEDIATE")
         try:
-            (version,) = db.execute("PRAGMA user_version").fetchone()
-            if version > SCHEMA_VERSION:
-                raise StoreError(
-                    f"cursor store {self.path} has schema version {version}, newer than this "
-                    f"ladle's {SCHEMA_VERSION}; upgrade ladle or use another file"
-                )
+            version = self._schema_version(db)
             if version == 0:
-                tables = [r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")]
-                if tables:
-                    raise StoreError(
-                        f"{self.path} is an SQLite database but not a ladle cursor store "
-                        f"(it has tables {sorted(tables)}); use another file"
-                    )
                 for statement in _SCHEMA:
                     db.execute(statement)
             if version == 1:
@@ -233,33 +395,142 @@ class EmbeddedStore(CursorStore):
             db.rollback()
             raise
 
+    def _after_fork(self) -> None:
+        """In a forked child: forget the parent's connections and locks (never use or close them here)."""
+        with _fork_lock:
+            if self._pid == os.getpid():
+                return  # another thread of this child did it
+            self._lock = threading.Lock()
+            self._returned = threading.Condition(self._lock)
+            self._writing = threading.Lock()
+            self._idle, self._in_use = [], 0
+            self._pid = os.getpid()  # last: a thread that sees it sees the rest
+
+    def _checkout(self) -> tuple[sqlite3.Connection, bool]:
+        """A connection for one transaction (a pooled one if any is idle), and whether it goes back."""
+        with self._lock:
+            if self._closed:
+                raise StoreUnavailableError(f"cursor store {self.path} is closed")
+            self._in_use += 1
+            if self._idle:
+                return self._idle.pop(), True
+        try:
+            return self._connect(first=False)
+        except BaseException:
+            self._checkin(None, reusable=False)
+            raise
+
+    def _checkin(self, db: sqlite3.Connection | None, *, reusable: bool) -> None:
+        with self._lock:
+            self._in_use -= 1
+            if db is not None and reusable and not self._closed:
+                self._idle.append(db)
+            elif db is not None:
+                db.close()
+            if self._closed:
+                self._returned.notify_all()
+
+    def _take_turn(self) -> threading.Lock:
+        """The lock of this store object's turn to write, held; the caller releases it.
+
+        ``StoreUnavailableError`` after ``busy_timeout_s`` in line behind other writes.
+        """
+        turn = self._writing
+        if turn.acquire(blocking=False):
+            return turn
+        if not turn.acquire(timeout=max(0.0, self.busy_timeout_s)):
+            raise StoreUnavailableError(
+                f"cursor store {self.path}: database is locked (waited {self.busy_timeout_s:g} s, "
+                "in line behind another write of this process)"
+            )
+        return turn
+
     @contextmanager
     def _transaction(self, *, write: bool) -> Iterator[sqlite3.Connection]:
         """One transaction: committed if the body returns, rolled back (changing nothing) if it raises.
 
         Writes take the file's write lock up front (``BEGIN IMMEDIATE``), so a
-        check-and-set never reads a state another writer is about to change.
-        Reads see one consistent snapshot (WAL) and never block writers.
+        check-and-set never reads a state another writer is about to change;
+        waiting for their turn and for the lock together takes about the busy
+        timeout at most. Reads see one consistent snapshot (WAL) and never
+        block writers or wait for them.
         """
-        with self._lock:
-            db = self._connection()
+        if write and self.read_only:
+            raise StoreError(f"cursor store {self.path} is open read-only: writes are refused")
+        if self._pid != os.getpid():
+            self._after_fork()
+        start = time.monotonic()
+        turn = self._take_turn() if write else None
+        try:
+            db, reusable = self._checkout()
+            # A write that waited long for its turn waits for the file lock only what is left.
+            left = self.busy_timeout_s - (time.monotonic() - start)
+            shortened = turn is not None and left < 0.9 * self.busy_timeout_s
             try:
-                db.execute("BEGIN IMMEDIATE" if write else "BEGIN")
-            except sqlite3.Error as exc:
-                raise self._unavailable(exc) from exc
-            try:
-                yield db
-            except BaseException as exc:
-                with suppress(sqlite3.Error):  # the original error is the one to report
-                    db.rollback()
-                if isinstance(exc, sqlite3.Error):
+                try:
+                    if shortened:
+                        db.execute(f"PRAGMA busy_timeout = {max(0, int(left * 1000))}")
+                    db.execute("BEGIN IMMEDIATE" if write else "BEGIN")
+                except sqlite3.Error as exc:
                     raise self._unavailable(exc) from exc
-                raise
-            try:
-                db.commit()
-            except sqlite3.Error as exc:
-                db.rollback()
-                raise self._unavailable(exc) from exc
+                try:
+                    yield db
+                except BaseException as exc:
+                    with suppress(sqlite3.Error):  # the original error is the one to report
+                        db.rollback()
+                    if isinstance(exc, sqlite3.Error):
+                        raise self._unavailable(exc) from exc
+                    raise
+                try:
+                    db.commit()
+                except sqlite3.Error as exc:
+                    with suppress(sqlite3.Error):
+                        db.rollback()
+                    raise self._unavailable(exc) from exc
+            finally:
+                if shortened:
+                    with suppress(sqlite3.Error):
+                        db.execute(f"PRAGMA busy_timeout = {int(self.busy_timeout_s * 1000)}")
+                self._checkin(db, reusable=reusable)
+        finally:
+            if turn is not None:
+                turn.release()
+        if write and not self._file_lost and start - self._file_checked >= _FILE_CHECK_S:
+            self._file_checked = start
+            self._notice_lost_file()
+
+    def _refuse_lost_file(self) -> None:
+        """``StoreUnavailableError`` if the file at ``path`` is not the one this store opened."""
+        problem = self._notice_lost_file()
+        if problem is not None:
+            raise StoreUnavailableError(f"cursor store {self.path} {problem}")
+
+    def _notice_lost_file(self) -> str | None:
+        """What became of the file at ``path`` since this store opened it (None: nothing); warns once.
+
+        SQLite keeps reading and writing a file removed or replaced under it:
+        the state it writes then is lost at the next restart.
+        """
+        try:
+            found = os.stat(self._abspath)
+        except OSError as exc:
+            problem = f"was removed ({exc.strerror})"
+        else:
+            if (found.st_dev, found.st_ino) == self._file_id:
+                return None
+            problem = "was replaced by another file"
+        with self._lock:
+            first, self._file_lost = not self._file_lost, True
+        if first:
+            log.warning(
+                "cursor store %s %s while this process had it open: %s",
+                self.path,
+                problem,
+                "its reads see the old file"
+                if self.read_only
+                else "its writes go to a deleted file, and a restart loses them",
+            )
+        return problem
 
     # --- the hooks, one transaction each -----------------------------------
 
@@ -271,9 +542,13 @@ class EmbeddedStore(CursorStore):
     def _expired(expires: float, now: float) -> bool:
         return 0 < expires <= now
 
+    def _job_select(self, db: sqlite3.Connection) -> str:
+        """The columns of a job's row and its expiry in this file (a read-only store reads any schema)."""
+        return _JOB_SELECT[self._schema_version(db) if self.read_only else SCHEMA_VERSION]
+
     def _job_row(self, db: sqlite3.Connection, job: str, now: float, *, write: bool) -> _JobRow | None:
         """The job's row; None if there is none or it expired (its rows then deleted, in a write)."""
-        found = db.execute(f"SELECT {_JOB_COLUMNS}, expires FROM jobs WHERE job = ?", (job,)).fetchone()
+        found = db.execute(f"SELECT {self._job_select(db)} FROM jobs WHERE job = ?", (job,)).fetchone()
         if found is None or not self._expired(found[-1], now):
             return None if found is None else found[:-1]
         if write:
@@ -437,7 +712,7 @@ class EmbeddedStore(CursorStore):
             now = self._now()
             jobs: list[_JobRow] = [
                 row[:-1]
-                for row in db.execute(f"SELECT {_JOB_COLUMNS}, expires FROM jobs ORDER BY job").fetchall()
+                for row in db.execute(f"SELECT {self._job_select(db)} FROM jobs ORDER BY job").fetchall()
                 if not self._expired(row[-1], now)
             ]
             rows: list[tuple[str, int, int, int, int, float]] = db.execute(
@@ -463,17 +738,15 @@ class EmbeddedStore(CursorStore):
     def _ping(self) -> None:
         with self._transaction(write=False) as db:
             db.execute("SELECT count(*) FROM jobs").fetchone()
-        # SQLite keeps writing to a file removed or replaced under it; that state would be lost.
-        try:
-            stat = os.stat(self.path)
-        except OSError as exc:
-            raise StoreUnavailableError(f"cursor store {self.path} was removed: {exc}") from exc
-        if (stat.st_dev, stat.st_ino) != self._file_id:
-            raise StoreUnavailableError(f"cursor store {self.path} was replaced by another file")
+        self._refuse_lost_file()
 
     def close(self) -> None:
+        """Close every connection once the transactions in flight are done; idempotent."""
+        if self._pid != os.getpid():
+            self._after_fork()
         with self._lock:
             self._closed = True
-            if self._db is not None and self._pid == os.getpid():
-                self._db.close()
-            self._db = None
+            for db in self._idle:
+                db.close()
+            self._idle = []
+            self._returned.wait_for(lambda: self._in_use <= 0)

@@ -213,3 +213,36 @@ def test_a_redis_url_needs_its_scheme(
     err = capsys.readouterr().err
     assert "$LADLE_REDIS_URL needs a URL that starts with redis://" in err
     assert "s3cret" not in err, "the password leaked into the output"
+
+
+def test_a_listing_reads_the_file_as_it_is_beside_a_busy_writer(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """It took the write lock (failing after 14 s beside another writer, and on a read-only mount) and
+    migrated an older ladle's file, which that ladle then refused."""
+    import sqlite3
+    import time
+
+    monkeypatch.delenv(cli.REDIS_URL_ENV, raising=False)
+    path = tmp_path / "state.db"
+    with EmbeddedStore(path) as store:
+        _fill(store)
+    holder = sqlite3.connect(path, isolation_level=None)
+    holder.execute("BEGIN IMMEDIATE")  # another process's write in progress (a VACUUM, a sqlite3 shell)
+    try:
+        before = path.read_bytes()
+        began = time.monotonic()
+        assert cli.main(["jobs", "--state", str(path), "--json"]) == 0
+        assert time.monotonic() - began < 5.0, "the listing waited for the write lock"
+        assert [job["job"] for job in json.loads(capsys.readouterr().out)] == ["run-a", "run-b"]
+        assert path.read_bytes() == before, "a listing changed the file"
+    finally:
+        holder.rollback()
+        holder.close()
+    with sqlite3.connect(path) as db:  # an older schema is listed, not migrated
+        db.execute("PRAGMA user_version = 2")
+        db.execute("ALTER TABLE jobs DROP COLUMN expires")
+    assert cli.main(["jobs", "--state", str(path)]) == 0
+    assert "run-a" in capsys.readouterr().out
+    with sqlite3.connect(path) as db:
+        assert db.execute("PRAGMA user_version").fetchone() == (2,), "a listing migrated the file"
