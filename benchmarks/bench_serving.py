@@ -120,9 +120,11 @@ class _Ladle:
         self.log = workdir / f"{name}.log"
         ready = workdir / f"{name}.ready"
         ready.unlink(missing_ok=True)  # a stale one would name another server's port
+        # one store: the state file unless the caller gives a Redis (serve refuses both)
+        store = [] if "--redis-url" in extra else ["--state", str(workdir / f"{name}-state.db")]
         cmd = [
             str(Path(sys.executable).with_name("ladle")), "serve", str(dataset), "--host", "127.0.0.1",
-            "--grpc-port", "0", "--ready-file", str(ready), "--state", str(workdir / f"{name}-state.db"),
+            "--grpc-port", "0", "--ready-file", str(ready), *store,
             "--http-port", "0", "--log-level", "WARNING", *extra,
         ]  # fmt: skip
         with self.log.open("ab") as log:

@@ -44,9 +44,11 @@ class ServerProcess:
         ready = self.workdir / f"ready-{time.monotonic_ns()}"
         http_ready = ready.with_name(ready.name + ".http")
         log = (self.workdir / "server.log").open("ab")
+        # one store: the state file unless the test gives a Redis (serve refuses both)
+        store = [] if "--redis-url" in self.extra else ["--state", str(self.state)]
         cmd = [
             str(Path(sys.executable).with_name("ladle")), "serve", str(self.dataset),
-            "--host", "127.0.0.1", "--grpc-port", str(self.port), "--state", str(self.state),
+            "--host", "127.0.0.1", "--grpc-port", str(self.port), *store,
             "--ready-file", str(ready), "--http-port", "0", "--http-ready-file", str(http_ready),
             "--grace", "1", *SMALL_CONFIG, *self.extra,
         ]  # fmt: skip
