@@ -63,7 +63,11 @@ class ScheduleConfig(BaseModel):
         "[b_i, b_{i+1}). Or 'auto': the num_buckets edges that minimise padded tokens.",
     )
     num_buckets: int = Field(
-        default=6, ge=1, le=64, description="Buckets made by 'auto' (unused with explicit edges)."
+        default=6,
+        ge=1,
+        le=64,
+        description="Buckets made by 'auto' (unused with explicit edges, but part of the config's identity: "
+        "give every replica the same value).",
     )
     max_seq_len: int = Field(default=8192, ge=1, le=MAX_SEQ_LEN, description="Longer samples are overlong.")
     token_budget: int = Field(
@@ -191,16 +195,14 @@ class ScheduleConfig(BaseModel):
     # --- identity ---
 
     def canonical_json(self) -> str:
+        # Every field, num_buckets too beside explicit edges (where it shapes nothing): jobs stored
+        # under these hashes must keep resuming, so the hash changes only with ALGORITHM_VERSION.
         data = self.model_dump(mode="json")
-        if self.bucket_bounds != "auto":
-            # num_buckets means nothing beside explicit edges (it is kept for a later replace() with
-            # 'auto'): two servers that differ only there serve the same schedule, one job
-            data["num_buckets"] = len(self.bucket_bounds) - 1
         data["algorithm_version"] = ALGORITHM_VERSION
         return json.dumps(data, sort_keys=True, separators=(",", ":"))
 
     def fingerprint(self) -> str:
-        """A stable hash of the fields that shape the schedule and the algorithm version (hex, 16 chars)."""
+        """A stable hash of every field plus the algorithm version (hex, 16 chars)."""
         return hashlib.sha256(self.canonical_json().encode()).hexdigest()[:16]
 
 
