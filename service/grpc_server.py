@@ -161,8 +161,8 @@ class _Session:
         self.writing: asyncio.Future[Position] | None = None  # the store write in flight
         self.write_failed = False  # a cursor write failed: the stream ends, with no last write
         self.write_error: BaseException | None = None
-        # called (on the event loop) when the stream has ended with a position the store did not take
-        self.on_unwritten: Callable[[_Session], None] | None = None
+        # called (on the event loop) when the stream has ended, and again when a write in flight then ends
+        self.on_end: Callable[[_Session], None] | None = None
         self.ended = False
         self.store_executor = store_executor
         self.failure: BaseException | None = None
@@ -238,6 +238,26 @@ class _Session:
             self._reconcile(target, "the job was gone: expired by --job-ttl, deleted, or lost by the store")
         return target
 
+    def write_late(self, target: Position) -> bool:
+        """One try at storing ``target`` after the stream ended (on a store thread).
+
+        False, with nothing written, when the job is no longer the one this
+        stream served: deleted, expired, reset (a new run under the name, with
+        a new incarnation), resized, or the rank held by a newer process. Unlike
+        ``_write`` it never re-creates a job or reconciles: no trainer is there
+        to vouch for the position. Raises ``StoreUnavailableError``.
+        """
+        store, name = self.job.store, self.job.name
+        try:
+            if not self.job.is_stored_as(store.get(name)):
+                return False
+            store.advance(name, self.rank, self.generation, target)
+        except StoreUnavailableError:
+            raise
+        except LadleError:  # gone, fenced, a rank an elastic resize removed
+            return False
+        return True
+
     def _written(self, done: asyncio.Future[Position]) -> None:
         """A write finished (on the event loop): note it, or end the stream with its error."""
         self.writing = None
@@ -265,20 +285,33 @@ class _Session:
         self.stored = max(self.stored, done.result())
         if self.acked > self.stored and self.failure is None:
             self.flush()  # acknowledged while it was written: the next one, at its time
+        if self.ended and self.writing is None:
+            self.end()
 
     def _flush_deferred(self) -> None:
         self.deferred = None
         self.flush()
 
     def end(self) -> None:
-        """The stream is over (after ``drain``): hand a position the store did not take to ``on_unwritten``.
-
-        A write still in flight calls this again when it fails.
-        """
+        """The stream is over (after ``drain``): tell ``on_end``; a write still in flight tells it again."""
         self.ended = True
-        unwritten = self.acked > self.stored and isinstance(self.write_error, StoreUnavailableError)
-        if unwritten and not self.replaced and self.writing is None and self.on_unwritten is not None:
-            self.on_unwritten(self)
+        if self.on_end is not None:
+            self.on_end(self)
+
+    @property
+    def unwritten(self) -> bool:
+        """Acknowledged batches the store did not take because it did not answer, and no write in flight."""
+        return (
+            self.acked > self.stored
+            and isinstance(self.write_error, StoreUnavailableError)
+            and self.writing is None
+            and not self.replaced
+        )
+
+    @property
+    def in_doubt(self) -> bool:
+        """Acknowledged batches whose write is still in flight."""
+        return self.acked > self.stored and self.writing is not None and not self.replaced
 
     def _reconcile(self, target: Position, why: str) -> None:
         """The store lost writes it had acknowledged: put back what this live trainer holds."""
@@ -357,6 +390,8 @@ class BatchServicer:
         self.store_executor = ThreadPoolExecutor(STORE_WRITERS, thread_name_prefix="ladle-store")
         # (job, rank) -> the retry of a position an ended stream could not write (on the event loop)
         self._late_writes: dict[tuple[str, int], tuple[Position, asyncio.Task[None]]] = {}
+        # (job, rank) -> an ended stream whose last write is still in flight
+        self._in_doubt: dict[tuple[str, int], _Session] = {}
         self.metrics = metrics if metrics is not None else ServerMetrics()
         self.metrics.watch_streams(self.stream_depths, self.limits.max_sessions, self.limits.per_job)
         self.metrics.schedules_cached = registry.schedules.__len__
@@ -388,6 +423,28 @@ class BatchServicer:
                 position,
             )
         self._late_writes.clear()
+        for (job, rank), session in list(self._in_doubt.items()):
+            if session.in_doubt:
+                log.warning(
+                    "job %s rank %d: its trainer's position %s may not be stored (its write was still "
+                    "waiting for the store at shutdown); a trainer that restarts without its checkpoint "
+                    "may repeat batches",
+                    job,
+                    rank,
+                    session.acked,
+                )
+        self._in_doubt.clear()
+
+    def _ended(self, session: _Session) -> None:
+        """A stream ended, or the write it left in flight did: retry a position the store did not take."""
+        key = (session.job.name, session.rank)
+        if session.in_doubt:
+            self._in_doubt[key] = session
+            return
+        if self._in_doubt.get(key) is session:
+            del self._in_doubt[key]
+        if session.unwritten:
+            self._write_late(session)
 
     def _write_late(self, session: _Session) -> None:
         """Keep trying the last position of a stream that ended unwritten, until the store takes it.
@@ -411,7 +468,7 @@ class BatchServicer:
                 while True:
                     await asyncio.sleep(delay)
                     try:
-                        await loop.run_in_executor(self.store_executor, session._write, target)
+                        stored = await loop.run_in_executor(self.store_executor, session.write_late, target)
                     except StoreUnavailableError as exc:
                         if loop.time() + delay > give_up:
                             log.warning(
@@ -425,12 +482,19 @@ class BatchServicer:
                             return
                         delay = min(delay * 2, LATE_WRITE_MAX_DELAY_S)
                         continue
-                    except StreamAbortedError:
-                        return  # fenced: a newer trainer process holds the rank and its own position
                     except Exception:
                         log.exception("job %s rank %d: storing position %s failed", *key, target)
                         return
-                    log.info("job %s rank %d: position %s stored after the store came back", *key, target)
+                    if stored:
+                        log.info("job %s rank %d: position %s stored after the store came back", *key, target)
+                    else:
+                        log.info(
+                            "job %s rank %d: position %s not stored: the job is not the one its stream "
+                            "served any more (deleted, expired, reset or resized, or the rank taken by a "
+                            "newer process)",
+                            *key,
+                            target,
+                        )
                     return
             finally:
                 if self._late_writes.get(key, (None, None))[1] is asyncio.current_task():
@@ -538,6 +602,7 @@ class BatchServicer:
         late = self._late_writes.pop(key, None)
         if late is not None:  # this stream's Open took the rank's position from its trainer
             late[1].cancel()
+        self._in_doubt.pop(key, None)
         reader = asyncio.create_task(self._read(requests, session))
         meter = self.metrics.stream(session.job.name, session.rank)
         gone: BaseException | None = None  # the call ended under a write: no status can follow
@@ -564,7 +629,7 @@ class BatchServicer:
             reader.cancel()
             self.metrics.ended(meter)
             await session.drain()
-            session.on_unwritten = self._write_late
+            session.on_end = self._ended
             session.end()
             if self._active.get(key) is session:
                 del self._active[key]

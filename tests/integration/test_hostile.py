@@ -643,6 +643,29 @@ def test_a_trainer_that_closes_while_redis_hangs_has_its_position_stored_when_re
     assert "stored after the store came back" in server.log_tail()
 
 
+def test_a_server_stopped_while_a_last_write_waits_names_the_position(
+    redis_server_factory: Callable[..., Any], server_factory: Factory, small_dataset: Path
+) -> None:
+    """Stopped while the ended stream's write still waited on a hung Redis, it said nothing of it."""
+    redis = redis_server_factory()
+    server = server_factory(extra=["--redis-url", redis.url])
+    try:
+        with BatchClient(0, 1, server.address, "in-doubt", timeout=60) as client:
+            batches = iter(client)
+            next(batches)
+            time.sleep(0.3)
+            os.kill(redis.pid, signal.SIGSTOP)
+            for _ in batches:
+                pass
+        time.sleep(0.5)  # the stream has ended; its last write waits (5 s)
+        assert server.stop() == 0
+    finally:
+        os.kill(redis.pid, signal.SIGCONT)
+    lines = [line for line in whole_log(server).splitlines() if "may not be stored" in line]
+    assert lines, f"nothing said of the position in doubt: {server.log_tail()}"
+    assert "job in-doubt rank 0" in lines[0], lines[0]
+
+
 def test_readiness_answers_within_a_second_while_redis_hangs(
     redis_server_factory: Callable[..., Any], server_factory: Factory
 ) -> None:

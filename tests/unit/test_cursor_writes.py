@@ -154,3 +154,29 @@ def test_an_ack_after_a_failed_write_starts_no_other_write() -> None:
 
     in_thread(scenario())
     assert len(store.advanced) == 1, store.advanced
+
+
+def test_a_late_write_never_brings_back_a_deleted_job_nor_moves_a_new_run(tmp_path: Any) -> None:
+    """A stream that ended unwritten retries its trainer's last position; it used the stream's own
+    write, which re-created a job deleted meanwhile (`ladle jobs --delete --force`) and, the name
+    taken by a new run (generation 1 again), moved that run's cursor forward past unread batches."""
+    from ladle.service.store import EmbeddedStore, JobSpec
+
+    with EmbeddedStore(tmp_path / "s.db") as store:
+        spec = JobSpec("j", "d", "c", 1)
+        first = store.open_job(spec)
+        generation = store.join("j", 0, 1).generation
+        job: Any = SimpleNamespace(
+            name="j", store=store, is_stored_as=lambda state: state.incarnation == first.incarnation
+        )
+        s = _Session(job, 0, generation, Position(0, 0), 4)
+        assert s.write_late(Position(0, 5))
+        assert store.get("j").ranks[0].position == Position(0, 5)
+        store.delete_job("j")
+        assert not s.write_late(Position(0, 9)), "a deleted job came back"
+        assert store.list_jobs() == []
+        store.open_job(spec)  # a new run under the name: another incarnation, generation 1 again
+        assert store.join("j", 0, 1).generation == generation
+        store.advance("j", 0, generation, Position(0, 2))
+        assert not s.write_late(Position(0, 9)), "an old run's position moved the new run's cursor"
+        assert store.get("j").ranks[0].position == Position(0, 2)
