@@ -366,7 +366,9 @@ class EmbeddedStore(CursorStore):
     def _migrate(self, db: sqlite3.Connection) -> None:
         """Create the schema in a new file or bring an older one up to date (in one transaction).
 
-        A file of the current schema needs no write lock, so a server starts beside a busy writer.
+        A file of the current schema needs no write lock, so a server starts beside a busy writer;
+        one it cannot write (a read-only mount or file) is refused here all the same, not at the
+        first trainer's write.
         """
         db.execute("BEGIN")
         try:
@@ -374,6 +376,7 @@ class EmbeddedStore(CursorStore):
         finally:
             db.rollback()
         if current:
+            self._check_writable(db)
             return
         db.execute("BEGIN IMMEDIATE")
         try:
@@ -394,6 +397,22 @@ class EmbeddedStore(CursorStore):
         except BaseException:
             db.rollback()
             raise
+
+    def _check_writable(self, db: sqlite3.Connection) -> None:
+        """Raise what a write would (read-only file or mount), without waiting for another writer's lock."""
+        # SQLite opens a file it cannot write read-only without a word; a write rolled back tells
+        db.execute("PRAGMA busy_timeout = 0")
+        try:
+            db.execute("BEGIN IMMEDIATE")
+            try:
+                db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+            finally:
+                db.rollback()
+        except sqlite3.OperationalError as exc:
+            if exc.sqlite_errorcode != sqlite3.SQLITE_BUSY:  # busy: writable, another writer has the lock
+                raise
+        finally:
+            db.execute(f"PRAGMA busy_timeout = {int(self.busy_timeout_s * 1000)}")
 
     def _after_fork(self) -> None:
         """In a forked child: forget the parent's connections and locks (never use or close them here)."""
