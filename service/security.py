@@ -262,7 +262,7 @@ class TlsFiles:
 
 def is_loopback(host: str) -> bool:
     """Only this machine can reach ``host``: ``localhost`` or a loopback address (not ``0.0.0.0``)."""
-    if host.strip("[]").lower() == "localhost":
+    if host.strip("[]").lower() in ("localhost", "localhost."):  # the fully qualified form too
         return True
     try:
         return ipaddress.ip_address(host.strip("[]")).is_loopback

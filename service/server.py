@@ -78,7 +78,8 @@ class BatchServer:
             raise ConfigError("grace", f"must be a finite number of seconds >= 0, got {grace}")
         self.dataset_path = str(dataset)
         self.config = config
-        self.host = host
+        # "[::1]" as URLs write it is the address ::1; "host:port" strings bracket it again (_join)
+        self.host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
         self.requested_port = grpc_port
         self.state_path = Path(state)
         # The cursor store: Redis when a URL is given (shared by every replica), else the file.
@@ -109,7 +110,7 @@ class BatchServer:
 
     @property
     def address(self) -> str:
-        return f"{self.host}:{self.port}"
+        return _join(self.host, self.port)
 
     @property
     def http_url(self) -> str | None:
@@ -189,7 +190,7 @@ class BatchServer:
         self._server.add_generic_rpc_handlers((self._servicer.handler(),))
         self._health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
-        where = f"{self.host}:{self.requested_port}"
+        where = _join(self.host, self.requested_port)
         _check_port_free(self.host, self.requested_port)
         try:
             if self.tls is not None:
@@ -264,6 +265,11 @@ class BatchServer:
         self.stop()
 
 
+def _join(host: str, port: int) -> str:
+    """``host:port``, an IPv6 address in brackets (``[::1]:50051``), as gRPC targets and URLs write it."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 def _check_port_free(host: str, port: int) -> None:
     """Raise the ``ConfigError`` a taken or forbidden gRPC port gets, before grpcio tries it.
 
@@ -289,7 +295,7 @@ def _check_port_free(host: str, port: int) -> None:
                 why = f"{host} is not an address of this machine ({reason}); give one it has, or 0.0.0.0"
                 raise ConfigError("host", why) from None
             if exc.errno in (errno.EADDRINUSE, errno.EACCES):
-                raise ConfigError("grpc_port", f"cannot listen on {host}:{port}: {reason}") from None
+                raise ConfigError("grpc_port", f"cannot listen on {_join(host, port)}: {reason}") from None
 
 
 #: The signals that stop ``ladle serve``: the first gracefully, a second at once (no SIGHUP or
@@ -337,7 +343,7 @@ def serve_forever(
             if server.http_url is not None:
                 print(f"ladle: inspect at {server.http_url}/", flush=True)
                 if http_ready_file:
-                    written.append((http_ready_file, f"{server.host}:{server.http_port}"))
+                    written.append((http_ready_file, _join(server.host, server.http_port)))
                     _write_atomically(*written[-1])
             if ready_file:
                 written.append((ready_file, server.address))

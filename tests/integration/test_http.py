@@ -437,3 +437,28 @@ def test_the_page_works_under_a_path_prefix(module_server: ServerProcess) -> Non
             proxy.shutdown()
             proxy.server_close()
             thread.join(timeout=10)
+
+
+@pytest.mark.parametrize("host", ["::1", "[::1]"])
+def test_an_ipv6_loopback_host_serves_both_faces(small_dataset: Path, tmp_path: Path, host: str) -> None:
+    """--host ::1 was "grpc_port: cannot listen on ::1:0" (grpc read it as a name), [::1] "cannot resolve"."""
+    import socket
+
+    from ladle.service.server import BatchServer
+
+    try:
+        with socket.socket(socket.AF_INET6) as probe:
+            probe.bind(("::1", 0))
+    except OSError:
+        pytest.skip("no IPv6 loopback here")
+    server = BatchServer(small_dataset, CONFIG, host=host, grpc_port=0, http_port=0, state=tmp_path / "s.db")
+    server.start()
+    try:
+        assert server.address.startswith("[::1]:"), server.address
+        with BatchClient(0, 1, server.address, "v6", timeout=30) as client:
+            assert next(iter(client)).step == 0
+        assert server.http_url is not None
+        with urllib.request.urlopen(server.http_url + "/healthz", timeout=30) as answer:
+            assert answer.status == 200
+    finally:
+        server.stop(grace=0)

@@ -134,6 +134,8 @@ def test_an_unreadable_token_file(tmp_path: Path) -> None:
         ("[::1]", True),
         ("localhost", True),
         ("LOCALHOST", True),
+        ("localhost.", True),
+        ("localhost..", False),
         ("0.0.0.0", False),
         ("::", False),
         ("10.0.0.5", False),
