@@ -159,7 +159,7 @@ class _Session:
         self.last_flush = 0.0
         self.deferred: asyncio.TimerHandle | None = None
         self.writing: asyncio.Future[Position] | None = None  # the store write in flight
-        self.write_failed = False  # a cursor write failed: the stream ends, with no last write
+        # what a cursor write failed with: the stream ends, with no last write
         self.write_error: BaseException | None = None
         # called (on the event loop) when the stream has ended, and again when a write in flight then ends
         self.on_end: Callable[[_Session], None] | None = None
@@ -187,7 +187,7 @@ class _Session:
         other: the stream ends with its error.
         """
         target = self.acked
-        if target <= self.stored or self.replaced or self.writing is not None or self.write_failed:
+        if target <= self.stored or self.replaced or self.writing is not None or self.write_error is not None:
             return  # after a failed write the stream ends: an Ack still on its way starts no other
         now = time.monotonic()
         if not force and now - self.last_flush < self.flush_every:
@@ -207,7 +207,7 @@ class _Session:
         """
         while True:
             if self.writing is None:
-                if self.write_failed:  # it would fail again (and wait out a hung store's timeout again)
+                if self.write_error is not None:  # it would fail again (and wait out a hung store again)
                     return
                 self.flush(force=True)
                 if self.writing is None:
@@ -265,7 +265,6 @@ class _Session:
             return
         exc = done.exception()
         if exc is not None:
-            self.write_failed = True
             self.write_error = exc
             if not isinstance(exc, LadleError):
                 log.error("job %s rank %d: the cursor write failed", self.job.name, self.rank, exc_info=exc)
