@@ -313,7 +313,8 @@ def serve_forever(
     The first signal stops accepting calls and gives open streams the grace
     period; a second one during it ends them at once. SIGHUP and SIGQUIT are
     left ignored when they already were (``nohup ladle serve``, a job started
-    with ``&`` by a script).
+    with ``&`` by a script); a stop signal the parent blocked (a supervisor's or
+    CI runner's mask, inherited through exec) is unblocked while it serves.
 
     Once both faces serve, ``http_ready_file`` gets the HTTP face's ``host:port``
     and then ``ready_file`` the gRPC face's, so a script that waits for
@@ -336,6 +337,11 @@ def serve_forever(
         if s not in (signal.SIGTERM, signal.SIGINT) and signal.getsignal(s) == signal.SIG_IGN:
             continue  # SIGHUP under nohup: the user asked for the server to outlive its terminal
         previous[s] = signal.signal(s, _on_signal)
+    # A parent that blocked them (a CI runner, a supervisor) passed the mask on through exec:
+    # a blocked signal would wait forever instead of stopping this server.
+    unblocked = set(previous) & _blocked_signals()
+    if unblocked:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, unblocked)
     written: list[tuple[str, str]] = []
     try:
         with server:
@@ -354,9 +360,18 @@ def serve_forever(
             _remove_ready_files(written)
     finally:
         _remove_ready_files(written)
+        if unblocked:
+            signal.pthread_sigmask(signal.SIG_BLOCK, unblocked)
         for s, handler in previous.items():
             signal.signal(s, handler)
     return 0
+
+
+def _blocked_signals() -> set[int]:
+    """The signals this thread blocks (none where the platform has no signal masks)."""
+    if not hasattr(signal, "pthread_sigmask"):
+        return set()
+    return {int(s) for s in signal.pthread_sigmask(signal.SIG_BLOCK, [])}
 
 
 def _write_atomically(path: str, text: str) -> None:

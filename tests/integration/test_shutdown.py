@@ -34,20 +34,35 @@ time.sleep(600)
 """
 
 
-@pytest.fixture
-def hup_default() -> Iterator[None]:
+@pytest.fixture(params=["unblocked", "blocked"])
+def hup_default(request: pytest.FixtureRequest) -> Iterator[None]:
     """Servers started meanwhile get SIGHUP's and SIGQUIT's default actions, even if this run was
-    started by nohup or in the background by a script (which ignore them)."""
-    previous = {s: signal.signal(s, signal.SIG_DFL) for s in (signal.SIGHUP, signal.SIGQUIT)}
+    started by nohup or in the background by a script (which ignore them); under "blocked" they
+    also inherit a mask that blocks both, as a CI runner's or supervisor's can (exec keeps it)."""
+    hup_quit = (signal.SIGHUP, signal.SIGQUIT)
+    previous = {s: signal.signal(s, signal.SIG_DFL) for s in hup_quit}
+    how = signal.SIG_BLOCK if request.param == "blocked" else signal.SIG_UNBLOCK
+    mask = signal.pthread_sigmask(how, hup_quit)
     try:
         yield
     finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         for s, action in previous.items():
             signal.signal(s, action)
 
 
 def ready_files(server: ServerProcess) -> list[Path]:
     return sorted(server.workdir.glob("ready-*"))
+
+
+def signal_masks(pid: int) -> str:
+    """The process's blocked, ignored and caught signal masks, as Linux's /proc shows them."""
+    try:
+        lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+    except OSError:
+        return "no /proc"
+    wanted = ("SigBlk", "SigIgn", "SigCgt")
+    return " ".join(line.replace("\t", "") for line in lines if line.startswith(wanted))
 
 
 def wait_exit(server: ServerProcess, timeout: float) -> int | None:
@@ -69,11 +84,13 @@ def test_sighup_and_sigquit_drain_and_exit_zero(server_factory: Factory, signum:
         for _ in range(4):
             next(it)
         assert len(ready_files(server)) == 2, "the ready files are not there while it serves"
+        masks = signal_masks(server.proc.pid)
         server.proc.send_signal(signum)
         code = wait_exit(server, 30)
     finally:
         client.close()
-    assert code == 0, f"signal {signum}: exit {code} (a negative one is the signal's): {server.log_tail()}"
+    why = f"exit {code} (a negative one is the signal's; masks before it: {masks})"
+    assert code == 0, f"signal {signum}: {why}: {server.log_tail()}"
     assert f"signal {int(signum)}: shutting down" in server.log_tail()
     assert ready_files(server) == [], "the ready files outlived the server"
 
