@@ -305,6 +305,10 @@ STOP_SIGNALS = tuple(
 )
 
 
+#: How long the main thread sleeps at most between looks at signals that arrived on other threads.
+_SIGNAL_POLL_S = 0.2
+
+
 def serve_forever(
     server: BatchServer, *, ready_file: str | None = None, http_ready_file: str | None = None
 ) -> int:
@@ -354,7 +358,11 @@ def serve_forever(
             if ready_file:
                 written.append((ready_file, server.address))
                 _write_atomically(*written[-1])
-            done.wait()
+            # In slices: a signal the kernel hands to another thread (gRPC's, the loop's) only
+            # marks Python's handler as due, and a main thread asleep in one long wait would
+            # never run it (SIGQUIT was lost so, a test's server never stopped).
+            while not done.wait(_SIGNAL_POLL_S):
+                pass
             # Shutting down: the ports go now. Removed while this server still holds them,
             # a file cannot yet be a successor's on the same port.
             _remove_ready_files(written)

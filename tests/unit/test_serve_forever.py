@@ -154,3 +154,31 @@ def test_a_host_this_machine_lacks_is_named_not_the_port(port: int) -> None:
         server_module._check_port_free("no-such-host.invalid", port)
     assert unknown.value.field == "host"
     server_module._check_port_free("127.0.0.1", 0)  # a free port: nothing to say
+
+
+@pytest.mark.usefixtures("fallback")
+def test_a_signal_that_lands_on_another_thread_still_stops_it(tmp_path: Path) -> None:
+    """The kernel may hand a process's signal to any thread that does not block it; Python then only
+    marks its handler as due, for the main thread to run. A main thread asleep in one endless wait
+    never ran it: the server went on serving (seen with SIGQUIT in a full test run)."""
+    ready = tmp_path / "ready"
+    stopped = threading.Event()
+
+    def run() -> None:
+        deadline = time.monotonic() + 30
+        while not ready.exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        signal.pthread_kill(threading.get_ident(), signal.SIGTERM)  # to this thread, not the main one
+        if not stopped.wait(10):  # the fix is missing: wake the main thread so the test ends
+            os.kill(os.getpid(), signal.SIGINT)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    began = time.monotonic()
+    try:
+        assert server_module.serve_forever(FakeServer(), ready_file=str(ready)) == 0  # type: ignore[arg-type]
+    finally:
+        stopped.set()
+    took = time.monotonic() - began
+    thread.join(10)
+    assert took < 5, f"a signal delivered to another thread stopped the server after {took:.1f}s"
