@@ -12,6 +12,7 @@ cuts the grace short.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import errno
 import logging
@@ -20,6 +21,7 @@ import os
 import signal
 import socket
 import threading
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from types import FrameType, TracebackType
@@ -44,6 +46,10 @@ from .store import DEFAULT_JOB_TTL_S, CursorStore, open_store
 __all__ = ["DEFAULT_STATE", "BatchServer", "serve_forever"]
 
 log = logging.getLogger("ladle.server")
+
+#: How long the main thread sleeps at most between looks at signals: one the kernel hands to
+#: another thread (gRPC's, the loop's) only marks Python's handler as due for the main thread.
+_SIGNAL_POLL_S = 0.2
 
 DEFAULT_STATE = ".ladle/state.db"
 
@@ -243,7 +249,8 @@ class BatchServer:
             self._http.stop()
         if self._loop is not None:
             grace = self.grace if grace is None else grace
-            asyncio.run_coroutine_threadsafe(self._stop(grace), self._loop).result(grace + 10)
+            stopping = asyncio.run_coroutine_threadsafe(self._stop(grace), self._loop)
+            _wait_in_slices(stopping, grace + 10)  # a second signal cuts the grace short meanwhile
             self._loop.call_soon_threadsafe(self._loop.stop)
             if self._loop_thread is not None:
                 self._loop_thread.join(timeout=10)
@@ -263,6 +270,18 @@ class BatchServer:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.stop()
+
+
+def _wait_in_slices(future: concurrent.futures.Future[Any], timeout: float) -> None:
+    """``future.result(timeout)``, waking every ``_SIGNAL_POLL_S`` for a signal another thread took."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            future.result(max(0.0, min(_SIGNAL_POLL_S, deadline - time.monotonic())))
+            return
+        except concurrent.futures.TimeoutError:
+            if time.monotonic() >= deadline:
+                raise
 
 
 def _join(host: str, port: int) -> str:
@@ -303,10 +322,6 @@ def _check_port_free(host: str, port: int) -> None:
 STOP_SIGNALS = tuple(
     getattr(signal, name) for name in ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT") if hasattr(signal, name)
 )
-
-
-#: How long the main thread sleeps at most between looks at signals that arrived on other threads.
-_SIGNAL_POLL_S = 0.2
 
 
 def serve_forever(

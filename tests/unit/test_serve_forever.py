@@ -8,6 +8,7 @@ instead of the end of the test run.
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import os
 import signal
@@ -182,3 +183,29 @@ def test_a_signal_that_lands_on_another_thread_still_stops_it(tmp_path: Path) ->
     took = time.monotonic() - began
     thread.join(10)
     assert took < 5, f"a signal delivered to another thread stopped the server after {took:.1f}s"
+
+
+def test_the_graceful_stop_wait_runs_a_signal_another_thread_took() -> None:
+    """``BatchServer.stop`` waits up to the grace (+10 s) for the loop's stop; a second signal the kernel
+    gave another thread meanwhile must still run its handler (which cuts the grace short) at once."""
+    stopping: concurrent.futures.Future[None] = concurrent.futures.Future()
+
+    def cut_short(signum: int, frame: FrameType | None) -> None:
+        stopping.set_result(None)
+
+    previous = signal.signal(signal.SIGUSR1, cut_short)
+    try:
+
+        def send() -> None:
+            time.sleep(0.2)
+            signal.pthread_kill(threading.get_ident(), signal.SIGUSR1)  # to this thread, not the main one
+
+        thread = threading.Thread(target=send, daemon=True)
+        thread.start()
+        began = time.monotonic()
+        server_module._wait_in_slices(stopping, 8.0)
+        took = time.monotonic() - began
+        thread.join(10)
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+    assert took < 4, f"the handler ran {took:.1f}s after the signal"
