@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent import futures
 from typing import Any
 
@@ -45,20 +45,25 @@ def channel() -> Iterator[grpc.Channel]:
         server.stop(grace=None).wait(5)
 
 
-def _send(call: _direct.DirectCall, message: bytes) -> None:
-    """Send once the message before has gone, polling for its completion as the reader thread would.
+def _once_sent(call: _direct.DirectCall, start: Callable[[], bool], what: str) -> None:
+    """``start()`` (a send or the half-close) once the message before has gone, polling for its
+    completion as the reader thread would.
 
     The echo of the last message can be polled before the completion of its
     send: ``receive`` then returns with the send still open, and nothing else
     polls the call here (in ``BatchClient`` the reader thread always does).
     """
     deadline = time.monotonic() + 10
-    while not call.send(message):
-        assert time.monotonic() < deadline, "a send never became possible"
+    while not start():
+        assert time.monotonic() < deadline, f"{what} never became possible"
         if call.sending():
             call._poll()  # the only operation that can complete now: the last send's
         else:
             time.sleep(0.001)
+
+
+def _send(call: _direct.DirectCall, message: bytes) -> None:
+    _once_sent(call, lambda: call.send(message), "a send")
 
 
 def test_available_on_a_grpcio_channel(channel: grpc.Channel) -> None:
@@ -76,8 +81,9 @@ def test_messages_both_ways_and_a_clean_end(channel: grpc.Channel) -> None:
     _send(call, b"last")
     assert not call.send(b"too soon"), "a second message started while one was in flight"
     assert call.receive() == b"last"
-    while not call.close_send():
-        time.sleep(0.001)
+    # (the send of "last" may still await its completion: under load its echo came first, and a
+    # loop that only slept here waited for good)
+    _once_sent(call, call.close_send, "the half-close")
     assert call.receive() is None
     assert call.status is not None
     assert call.status.code() is grpc.StatusCode.OK
