@@ -11,7 +11,6 @@ with its two paths pointed into a temporary folder and the ConfigMap's
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import time
 from pathlib import Path
@@ -23,7 +22,7 @@ import yaml
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from tests.support.redis_server import redis_server_available
+from tests.support.redis_server import _free_port, redis_server_available
 
 pytestmark = pytest.mark.skipif(not redis_server_available(), reason="needs redis-server")
 
@@ -38,13 +37,6 @@ def _manifest() -> tuple[str, str]:
     (container,) = [c for c in pod["containers"] if c["name"] == "redis"]
     assert container["command"] == ["sh", "-c"]
     return container["args"][0], config
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def _start(tmp_path: Path, password: str) -> tuple[subprocess.Popen[bytes], int, Path]:
