@@ -16,11 +16,19 @@
  * each row (its length cut to the batch's width, the chunks and starts of its
  * tokens and mask) and checks every row lies in the dataset: what took a
  * dozen numpy calls a batch (a test checks the two agree).
+ *
+ * Every read of the mapped dataset here is guarded. A data file cut shorter while it is served
+ * makes a read past its new end a SIGBUS, which would kill the server if the cut came between
+ * its check of the files (a stat before each batch) and the copy. The read is abandoned instead
+ * and the call raises MappedReadError (an OSError); the server then finds the change and
+ * refuses the batch.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
 #include <limits.h>
+#include <setjmp.h>
+#include <signal.h>
 #include <string.h>
 
 /* one prefetch a page: the hardware prefetcher follows a slice within a page by itself */
@@ -151,6 +159,54 @@ static int check_slices(const Py_buffer *ids_src, Py_ssize_t n_ids, const Py_buf
     return 0;
 }
 
+/* ---- reads of the mapped dataset that fault (SIGBUS: a data file cut shorter under its mapping) ---- */
+
+static PyObject *MappedReadError;            /* _frame.MappedReadError, an OSError */
+/* set while this thread reads mapped pages; initial-exec: the handler reads it with no allocation */
+#if defined(__GNUC__) || defined(__clang__)
+static _Thread_local sigjmp_buf *fault_jump __attribute__((tls_model("initial-exec")));
+#else
+static _Thread_local sigjmp_buf *fault_jump;
+#endif
+static struct sigaction previous_bus;        /* what SIGBUS did before: every other SIGBUS goes there */
+static int bus_guarded;
+
+static void on_bus(int sig, siginfo_t *info, void *context) {
+    sigjmp_buf *jump = fault_jump;
+    if (jump) { /* this thread's guarded read: abandon it (SA_NODEFER: no signal mask to restore) */
+        fault_jump = NULL;
+        siglongjmp(*jump, 1);
+    }
+    int sent = info->si_code <= 0; /* kill() or raise(), not a fault */
+    if (sent && !(previous_bus.sa_flags & SA_SIGINFO) && previous_bus.sa_handler == SIG_IGN) return;
+    /* not ours: the disposition from before takes it (a fault comes back at once, a signal is resent) */
+    sigaction(SIGBUS, &previous_bus, NULL);
+    if (sent) raise(sig);
+    (void)context;
+}
+
+/* Route SIGBUS through on_bus (once a process, with the GIL held); -1 with OSError set. */
+static int guard_reads(void) {
+    if (bus_guarded) return 0;
+    struct sigaction action;
+    memset(&action, 0, sizeof action);
+    action.sa_sigaction = on_bus;
+    action.sa_flags = SA_SIGINFO | SA_NODEFER | SA_ONSTACK;
+    sigemptyset(&action.sa_mask);
+    if (sigaction(SIGBUS, &action, &previous_bus) != 0) {
+        PyErr_SetFromErrno(PyExc_OSError);
+        return -1;
+    }
+    bus_guarded = 1;
+    return 0;
+}
+
+static void mapped_read_failed(void) {
+    PyErr_SetString(MappedReadError,
+                    "a page of the memory-mapped dataset could not be read (SIGBUS): a data file was cut "
+                    "shorter while it was served");
+}
+
 /* The frame's bytes: head, the padded tokens, gap, sample ids, lengths, the padded masks (checked slices). */
 static PyObject *copy_frame(const char *head, Py_ssize_t head_len, const char *gap, Py_ssize_t gap_len,
                             const char *samples, const char *lens, const Py_buffer *ids_src,
@@ -166,7 +222,14 @@ static PyObject *copy_frame(const char *head, Py_ssize_t head_len, const char *g
     Py_ssize_t bad_ids = -1, bad_mask = -1;
     const Py_ssize_t ids_size = ids_kind.size, mask_size = mask_kind.size;
     const int ids_copied = same_kind(ids_kind, IDS_WIRE), mask_copied = same_kind(mask_kind, MASK_WIRE);
+    sigjmp_buf jump;
+    volatile int faulted = 0;
     Py_BEGIN_ALLOW_THREADS
+    if (sigsetjmp(jump, 0)) {
+        faulted = 1; /* a SIGBUS in the copy below: nothing of this frame is used */
+        goto copied;
+    }
+    fault_jump = &jump;
     /* The rows sit in the page cache, 4 KiB pages scattered in physical memory, and the
        hardware prefetcher stops at every page boundary: ask for every page of every slice
        first, so their misses overlap, then copy (the frame 53 -> 43 us in one process, its
@@ -214,7 +277,14 @@ static PyObject *copy_frame(const char *head, Py_ssize_t head_len, const char *g
         memset(at + n[r], 0, (size_t)(width - n[r]));
         at += width;
     }
+copied:
+    fault_jump = NULL;
     Py_END_ALLOW_THREADS
+    if (faulted) {
+        Py_DECREF(out);
+        mapped_read_failed();
+        return NULL;
+    }
     if (bad_ids >= 0 || bad_mask >= 0) {
         Py_DECREF(out);
         if (bad_ids >= 0)
@@ -256,6 +326,7 @@ static PyObject *frame(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "frame: the row arrays and widths do not agree");
         goto done;
     }
+    if (guard_reads() < 0) goto done;
     if (take_all(ids_list, &ids_src, &n_ids, "ids_chunks") < 0) goto done;
     if (take_all(mask_list, &mask_src, &n_mask, "mask_chunks") < 0) goto done;
     const int64_t *ic = ids_chunk.buf, *mc = mask_chunk.buf, *ia = ids_at.buf, *ma = mask_at.buf,
@@ -343,10 +414,21 @@ static int tables_agree(const Tables *t) {
            t->ids_delta.len == t->ids_first.len && t->mask_delta.len == t->mask_first.len;
 }
 
+/* plan_rows over the tables (the offsets are read from the mapping: guarded); -1 with an error set. */
 static long long plan_with(const Tables *t, const int64_t *rows, Py_ssize_t n, Py_ssize_t limit, char *out) {
-    return plan_rows(rows, n, limit, t->offsets.buf, t->offsets.len / 8 - 1, t->ids_first.buf,
-                     t->ids_first.len / 8, t->ids_delta.buf, t->mask_first.buf, t->mask_first.len / 8,
-                     t->mask_delta.buf, out);
+    sigjmp_buf jump;
+    if (guard_reads() < 0) return -1;
+    if (sigsetjmp(jump, 0)) {
+        fault_jump = NULL;
+        mapped_read_failed();
+        return -1;
+    }
+    fault_jump = &jump;
+    long long real = plan_rows(rows, n, limit, t->offsets.buf, t->offsets.len / 8 - 1, t->ids_first.buf,
+                               t->ids_first.len / 8, t->ids_delta.buf, t->mask_first.buf,
+                               t->mask_first.len / 8, t->mask_delta.buf, out);
+    fault_jump = NULL;
+    return real;
 }
 
 /*
@@ -610,4 +692,16 @@ static PyMethodDef methods[] = {
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_frame", NULL, -1, methods};
 
-PyMODINIT_FUNC PyInit__frame(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__frame(void) {
+    PyObject *m = PyModule_Create(&module);
+    if (!m) return NULL;
+    MappedReadError = PyErr_NewExceptionWithDoc(
+        "ladle.service._frame.MappedReadError",
+        "A read of the memory-mapped dataset faulted (SIGBUS): a data file was cut shorter while served.",
+        PyExc_OSError, NULL);
+    if (!MappedReadError || PyModule_AddObjectRef(m, "MappedReadError", MappedReadError) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

@@ -23,7 +23,7 @@ from collections import deque
 from collections.abc import Iterable, Iterator
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from types import TracebackType
-from typing import Any, Generic, NamedTuple, TypeVar
+from typing import Any, Generic, NamedTuple, NoReturn, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -47,6 +47,14 @@ def _compiled_frame() -> Any:
 _frame_c: Any = _compiled_frame()
 # plan, header and copy in one call (tests switch it off to compare it with the checked path)
 _build: Any = getattr(_frame_c, "build", None)
+
+
+class _NoMappedReadError(Exception):
+    """Stands for ``_frame.MappedReadError`` where the extension is not built (never raised)."""
+
+
+# a read of the mapped dataset in C that faulted (SIGBUS): a data file was cut under the mapping
+_MappedReadError: type[Exception] = getattr(_frame_c, "MappedReadError", _NoMappedReadError)
 
 __all__ = ["Assembler", "BatchBuffers", "BatchFrame", "BatchPieces", "Prefetcher"]
 
@@ -562,6 +570,8 @@ class Assembler:
                 return BatchFrame(data, real_tokens, count)
             except (TypeError, ValueError, OverflowError):
                 pass  # not an int64 row array, or a bad field: the checked path converts or names it
+            except _MappedReadError:
+                self._mapping_failed()
         fields: dict[str, Any] = {
             "epoch": epoch,
             "step": step,
@@ -585,7 +595,10 @@ class Assembler:
         count = len(row_ids)
         if count:
             row_ids = np.ascontiguousarray(row_ids)
-            plan, real_tokens = _frame_c.plan(row_ids, limit, *self._tables)
+            try:
+                plan, real_tokens = _frame_c.plan(row_ids, limit, *self._tables)
+            except _MappedReadError:
+                self._mapping_failed()
         else:
             plan, real_tokens = b"", 0  # batch_frame_head refuses an empty batch
         head, gap = codec.batch_frame_head(**fields, rows=count, padded_len=width, real_tokens=real_tokens)
@@ -593,21 +606,24 @@ class Assembler:
         view, size = memoryview(plan), 8 * count
         cut, ids_chunk, mask_chunk, ids_at, mask_at = (view[i * size : (i + 1) * size] for i in range(5))
         lengths = view[5 * size :]
-        data = _frame_c.frame(
-            head,
-            gap,
-            row_ids,
-            lengths,
-            self._ids_bytes,
-            self._mask_bytes,
-            ids_chunk,
-            mask_chunk,
-            ids_at,
-            mask_at,
-            cut,
-            width,
-            pad,
-        )
+        try:
+            data = _frame_c.frame(
+                head,
+                gap,
+                row_ids,
+                lengths,
+                self._ids_bytes,
+                self._mask_bytes,
+                ids_chunk,
+                mask_chunk,
+                ids_at,
+                mask_at,
+                cut,
+                width,
+                pad,
+            )
+        except _MappedReadError:
+            self._mapping_failed()
         return BatchFrame(data, real_tokens, count)
 
     def _checked(
@@ -633,6 +649,20 @@ class Assembler:
                 self._reported.add(str(exc))
                 log.error("%s", exc)
             raise
+
+    def _mapping_failed(self) -> NoReturn:
+        """After a read of the mapping faulted: the ``DatasetChangedError`` of the file that changed.
+
+        The compiled frame abandons a read that faults (a data file cut
+        shorter between the check before the batch and the copy) instead of
+        letting the SIGBUS kill the server. By now ``stat`` sees the cut.
+        """
+        self._check_files()
+        exc = DatasetChangedError(
+            self.dataset.path, self.dataset.path, "a page of its memory mapping could not be read (SIGBUS)"
+        )
+        log.error("%s", exc)
+        raise exc
 
     def _check_rows(self, rows: npt.ArrayLike, *, bounds: bool = True) -> I64:
         array = np.asarray(rows)

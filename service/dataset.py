@@ -131,7 +131,8 @@ class TokenDataset:
         past the end of a truncated mapping is a SIGBUS that kills the process,
         and a file rewritten in place changes the bytes under the mapping. It
         narrows the window rather than closing it: a truncation between this
-        check and the read still hits the mapping.
+        check and the read still hits the mapping, which the compiled frame
+        (``Assembler.frame``) turns into this error instead of a SIGBUS.
         """
         for data_file in self.files:
             detail = data_file.change()
