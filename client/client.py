@@ -663,6 +663,80 @@ class BatchClient:
         """
         return self._next
 
+    # --- the epoch's length ---
+
+    def __len__(self) -> int:
+        """This rank's batches in the epoch ``for batch in client`` continues or starts, from its start.
+
+        Every rank gets the same number. The server answers it (its
+        ``Describe`` call reads only: any process may ask, without joining the
+        job or fencing the rank's trainer). After ``load_state_dict`` in the
+        middle of an epoch it is still the whole epoch's count, as a resumed
+        ``DataLoader``'s ``len`` is. Each epoch is packed anew, so epochs can
+        differ by a few batches: for a learning-rate schedule over several
+        epochs, add ``steps_in_epoch(e)`` for each. Raises as iterating would:
+        ``ServerUnavailableError`` after ``timeout``, ``BatchClientError`` for a
+        job of another world size (unless ``elastic``: the job is then resized
+        first, as the first batch would).
+        """
+        return self.steps_in_epoch()
+
+    def __bool__(self) -> bool:
+        """Always true: ``if client:`` must not ask the server for ``len(client)``."""
+        return True
+
+    def steps_in_epoch(self, epoch: int | None = None) -> int:
+        """This rank's batches in ``epoch`` (default: the epoch ``len(client)`` counts)."""
+        if epoch is not None:
+            epoch = _integer(epoch, "epoch", 0)
+        with self._busy:
+            self._check_usable()
+            info = self._describe(epoch)
+            if info.world_size != self.world_size:
+                if not self.elastic or self._stream is not None:
+                    raise BatchClientError(
+                        f"job {self.job!r} has {info.world_size} ranks and this client {self.world_size} "
+                        "(pass elastic=True to resize it to this client's world size)",
+                        "FAILED_PRECONDITION",
+                    )
+                self._receive(until_start=True)  # the stream's Open resizes the job: then it is known
+                info = self._describe(epoch)
+            if epoch is None and self._next is not None and self._next[1] >= info.steps_per_epoch > 0:
+                # stopped at the epoch's end: the next iteration starts the next epoch
+                info = self._describe(info.epoch + 1)
+            return int(info.steps_per_epoch)
+
+    def _describe(self, epoch: int | None) -> pb.JobInfo:
+        """The server's ``JobInfo`` of this job for ``epoch`` (None: this client's, else the job's).
+
+        Retried with backoff while the server is unavailable, up to ``timeout``.
+        """
+        if epoch is None and self._next is not None:
+            epoch = self._next[0]
+        deadline = time.monotonic() + self.timeout
+        backoff = _BACKOFF_FIRST
+        while True:
+            stub = self._connect(deadline)
+            try:
+                return stub.describe(
+                    self.job, max(0.01, deadline - time.monotonic()), world_size=self.world_size, epoch=epoch
+                )
+            except grpc.RpcError as exc:
+                if exc.code() is grpc.StatusCode.DEADLINE_EXCEEDED:
+                    raise ServerUnavailableError(
+                        f"{self._address} did not describe job {self.job!r} within {self.timeout:.0f}s",
+                        "DEADLINE_EXCEEDED",
+                    ) from None
+                error = self._map_error(exc)
+            if not isinstance(error, ServerUnavailableError) or time.monotonic() + backoff > deadline:
+                raise error
+            if self._stream is None and len(self.servers) > 1:  # no stream to keep: try another replica
+                self._drop_stream()
+                self._server_index = (self._server_index + 1) % len(self.servers)
+            time.sleep(backoff)
+            self._check_open()
+            backoff = min(backoff * 2, _BACKOFF_MAX)
+
     # --- iteration ---
 
     def __iter__(self) -> Iterator[Batch]:

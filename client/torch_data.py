@@ -82,6 +82,10 @@ class BatchDataset(IterableDataset[Batch]):
             raise BatchClientError(_IN_PROCESS)
         return self.__dict__.copy()
 
+    def __len__(self) -> int:
+        """``len(client)``: this rank's batches in the epoch, so ``len(DataLoader(...))`` works."""
+        return len(self.client)
+
     def state_dict(self) -> dict[str, Any]:
         return self.client.state_dict()
 

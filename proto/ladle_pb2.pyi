@@ -205,10 +205,14 @@ class BatchFrame(_message.Message):
     def __init__(self, batch: _Optional[_Union[Batch, _Mapping]] = ..., epoch_end: _Optional[_Union[EpochEnd, _Mapping]] = ...) -> None: ...
 
 class DescribeRequest(_message.Message):
-    __slots__ = ("job",)
+    __slots__ = ("job", "world_size", "epoch")
     JOB_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
     job: str
-    def __init__(self, job: _Optional[str] = ...) -> None: ...
+    world_size: int
+    epoch: int
+    def __init__(self, job: _Optional[str] = ..., world_size: _Optional[int] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class JobInfo(_message.Message):
     __slots__ = ("job", "world_size", "epoch", "steps_per_epoch", "schedule_fingerprint", "config_fingerprint", "dataset_fingerprint", "bucket_bounds", "token_budget", "max_batch_size", "max_frame_bytes")

@@ -79,7 +79,9 @@ class BatchServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Describe(self, request, context):
-        """What the server knows about a job (NOT_FOUND if it knows nothing).
+        """What the server knows about a job (NOT_FOUND if it knows nothing, unless
+        the request names a world size: see DescribeRequest). Reads only: it
+        creates, joins and fences nothing.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -86,10 +86,14 @@ class BatchServiceClient:
         """Open a Stream: the call is also an iterator of frames (decode with ``codec.decode_frame``)."""
         return self._stream(requests, timeout=timeout, metadata=self._metadata)
 
-    def describe(self, job: str, timeout: float | None = None) -> pb.JobInfo:
-        info: pb.JobInfo = self._describe(
-            pb.DescribeRequest(job=job), timeout=timeout, metadata=self._metadata
-        )
+    def describe(
+        self, job: str, timeout: float | None = None, *, world_size: int = 0, epoch: int | None = None
+    ) -> pb.JobInfo:
+        """The server's ``JobInfo`` of ``job`` (see ``DescribeRequest`` for ``world_size``, ``epoch``)."""
+        request = pb.DescribeRequest(job=job, world_size=world_size)
+        if epoch is not None:
+            request.epoch = epoch
+        info: pb.JobInfo = self._describe(request, timeout=timeout, metadata=self._metadata)
         return info
 
 

@@ -514,7 +514,10 @@ class BatchServicer:
     async def describe(self, request: pb.DescribeRequest, context: Any) -> pb.JobInfo:
         try:
             # the store and a schedule build may take a while: off the event loop
-            job, epoch, sched = await asyncio.to_thread(self._describe, request.job)
+            epoch = request.epoch if request.HasField("epoch") else None
+            job, epoch, sched = await asyncio.to_thread(
+                self._describe, request.job, request.world_size, epoch
+            )
             return pb.JobInfo(
                 job=job.name,
                 world_size=job.world_size,
@@ -532,15 +535,30 @@ class BatchServicer:
             await self._abort(context, exc)
         raise AssertionError("unreachable")
 
-    def _describe(self, name: str) -> tuple[Job, int, Schedule]:
-        """The job ``name``, the epoch of its slowest rank and that epoch's schedule (a worker thread)."""
+    def _describe(self, name: str, world_size: int, epoch: int | None) -> tuple[Job, int, Schedule]:
+        """The job ``name``, the epoch described and its schedule (on a worker thread).
+
+        ``epoch`` None: the epoch of the job's slowest rank. A job the store
+        does not hold is ``JobNotFoundError`` unless ``world_size`` is given:
+        then it is the job a trainer of that world size would create, built
+        here and stored nowhere. An epoch other than the job's own is built as
+        an inspection is (``ScheduleBusyError`` when too many builds run).
+        """
         job = self.registry.get(name)
         if job is None:
-            state = self.registry.store.get(name)  # JobNotFoundError if unknown
+            try:
+                state = self.registry.store.get(name)
+            except JobNotFoundError:
+                if not world_size:
+                    raise
+                job = self.registry.unstored(name, world_size)
+                at = 0 if epoch is None else epoch
+                return job, at, job.schedule(at, hot=at == 0)
             job = self.registry.open(name, state.spec.world_size)
         state = job.state()
-        epoch = min(r.position.epoch for r in state.ranks) if state.ranks else 0
-        return job, epoch, job.schedule(epoch, hot=True)
+        current = min(r.position.epoch for r in state.ranks) if state.ranks else 0
+        at = current if epoch is None else epoch
+        return job, at, job.schedule(at, hot=at == current)
 
     # --- Stream ---
 

@@ -566,8 +566,17 @@ class JobRegistry:
             return  # stored already: its schedule was built before
         except JobNotFoundError:
             pass
-        job = Job(name, self.dataset, self.config, world_size, self.store, cache=self.schedules)
-        job.schedule(0, hot=True)
+        self.unstored(name, world_size).schedule(0, hot=True)
+
+    def unstored(self, name: str, world_size: int) -> Job:
+        """The job ``name`` as a trainer of ``world_size`` ranks would create it, not stored nor registered.
+
+        Its schedules share this server's cache, so the first stream of the
+        job, if one comes, finds epoch 0 built.
+        """
+        if world_size < 1:
+            raise ConfigError("world_size", f"must be at least 1, got {world_size}")
+        return Job(name, self.dataset, self.config, world_size, self.store, cache=self.schedules)
 
     def _resize(
         self, name: str, old_size: int, new_size: int, checkpoint: tuple[Position, str] | None
