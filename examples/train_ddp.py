@@ -124,13 +124,13 @@ class RankJob:
     report_every: int
 
 
-def lr_factor(step: int, spec: RankJob) -> float:
-    """Linear warm-up over ``warmup`` steps, then (cosine ``decay``, ``steps`` set) down to 10% at the end."""
+def lr_factor(step: int, spec: RankJob, total: int) -> float:
+    """Linear warm-up over ``warmup`` steps, then (cosine ``decay``) down to 10% at step ``total``."""
     if step < spec.warmup:
         return (step + 1) / spec.warmup
-    if spec.decay != "cosine" or spec.steps <= spec.warmup:
+    if spec.decay != "cosine" or total <= spec.warmup:
         return 1.0
-    done = min(1.0, (step - spec.warmup) / max(1, spec.steps - 1 - spec.warmup))
+    done = min(1.0, (step - spec.warmup) / max(1, total - 1 - spec.warmup))
     return 0.1 + 0.45 * (1.0 + math.cos(math.pi * done))
 
 
@@ -144,10 +144,13 @@ def train_rank(rank: int, spec: RankJob) -> None:
             TinyLM(spec.vocab, spec.d_model, spec.layers, spec.heads, spec.max_len)
         )
         optimizer = torch.optim.AdamW(model.parameters(), lr=spec.lr, weight_decay=0.01)
-        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, spec))
         log_path = Path(spec.log_dir, f"rank-{rank}.jsonl")
         began = time.perf_counter()
         with BatchClient(rank, spec.world, spec.server, spec.job, device="cpu", timeout=120) as client:
+            # the decay's horizon: --steps, else the epoch's length (the server's count, the same on
+            # every rank; asking joins nothing)
+            total = min(spec.steps, len(client)) if spec.steps else len(client)
+            schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, spec, total))
             with log_path.open("w") as log:
                 for batch in client:
                     loss_sum, count = token_loss(model, batch)
@@ -700,7 +703,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     model.add_argument("--lr", type=float, default=3e-3)
     model.add_argument("--warmup", type=int, default=20, help="steps of linear learning-rate warm-up")
     model.add_argument(
-        "--decay", default="cosine", choices=["cosine", "none"], help="after warm-up, to 10%% by --steps"
+        "--decay",
+        default="cosine",
+        choices=["cosine", "none"],
+        help="after warm-up, to 10%% by --steps (or the epoch's end)",
     )
     figures = p.add_argument_group("figures")
     figures.add_argument("--plot", type=Path, help="draw the loss of every mode into this PNG")
