@@ -16,9 +16,13 @@ Every figure is printed beside a baseline measured in the same run, on
    bare stream into what the call shape costs and what ladle's own work per
    batch costs. And ladle once more with the client reading through
    grpcio's iterator (the fallback reader, ``LADLE_CLIENT_READER=thread``):
-   what the polled reader gains. The ratios are paired per repeat (runs seconds apart) and
-   their medians reported, as in ``bench_wire``. CPU per batch (server
-   process, and the clients' processes, all threads) says where the cores went.
+   what the polled reader gains. And ladle and the bare stream once more with
+   the server process on one CPU and the client processes on the other
+   (``sched_setaffinity``; Linux, 2 CPUs or more): a server with a core of its
+   own, as deployed, where the figure's setup shares both cores. The ratios
+   are paired per repeat (runs seconds apart) and their medians reported,
+   as in ``bench_wire``. CPU per batch (server process, and the clients'
+   processes, all threads) says where the cores went.
 2. delivered to a training loop: one rank of world size 1 takes batches as
    torch tensors from ``BatchClient(device="cpu")``, beside a local
    ``DataLoader(num_workers=2, batch_size=None)`` over a map-style dataset
@@ -728,6 +732,39 @@ def _timed(clients: _Clients, pid: int, name: str, kwargs: list[dict[str, Any]])
     return rates
 
 
+def _two_cpus() -> tuple[int, int] | None:
+    """Two CPUs this process may use (the servers' and the trainers'), or None where there are fewer."""
+    try:
+        cpus = sorted(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        return None
+    return (cpus[0], cpus[1]) if len(cpus) >= 2 else None
+
+
+def _set_affinity(pid: int, cpus: set[int]) -> None:
+    """Every thread of process ``pid`` (threads started later inherit it from the one that starts them)."""
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with suppress(OSError):  # a thread that just ended
+            os.sched_setaffinity(int(task.name), cpus)
+
+
+@contextmanager
+def _pinned(servers: Iterable[int], clients: Iterable[int], cpus: tuple[int, int]) -> Iterator[None]:
+    """The server processes on one CPU and the client processes on the other, for the block's runs."""
+    servers, clients = list(servers), list(clients)
+    every = os.sched_getaffinity(0)
+    try:
+        for pid in servers:
+            _set_affinity(pid, {cpus[0]})
+        for pid in clients:
+            _set_affinity(pid, {cpus[1]})
+        yield
+    finally:
+        for pid in (*servers, *clients):
+            with suppress(OSError):
+                _set_affinity(pid, every)
+
+
 def _median(runs: list[dict[str, Any]], key: str, digits: int = 3) -> float:
     return _r(statistics.median(r[key] for r in runs), digits)
 
@@ -748,7 +785,10 @@ def bench_throughput(dataset: Path, workdir: Path, repeats: int) -> dict[str, An
         "shape_grpc": [],
         "tcp_2_readers": [],
         "tcp_1_reader": [],
+        "ladle_own_core": [],
+        "bare_grpc_own_core": [],
     }
+    cpus = _two_cpus()
     try:
         server = _Ladle(dataset, workdir, "throughput")
         for r in range(repeats):
@@ -819,6 +859,33 @@ def bench_throughput(dataset: Path, workdir: Path, repeats: int) -> dict[str, An
             runs["tcp_1_reader"].append(
                 _timed(clients, bare.pid, "tcp", [{"port": tcp_both, "count": sum(counts)}])
             )
+            if (
+                cpus is not None
+            ):  # each server on a core of its own, as in a deployment, the trainers on the other
+                client_pids = [p.pid for p in clients.processes if p.pid is not None]
+                with _pinned([server.pid], client_pids, cpus):
+                    runs["ladle_own_core"].append(
+                        _timed(
+                            clients,
+                            server.pid,
+                            "ladle_epoch",
+                            [
+                                {
+                                    "address": server.address,
+                                    "job": f"throughput-own-{r}",
+                                    "rank": i,
+                                    "world_size": 2,
+                                }
+                                for i in range(2)
+                            ],
+                        )
+                    )
+                with _pinned([bare.pid], client_pids, cpus):
+                    runs["bare_grpc_own_core"].append(
+                        _timed(
+                            clients, bare.pid, "bare_grpc", [{"port": grpc_port, "rank": i} for i in range(2)]
+                        )
+                    )
         problems = server.log_problems()
     finally:
         stop.set()
@@ -837,6 +904,7 @@ def bench_throughput(dataset: Path, workdir: Path, repeats: int) -> dict[str, An
     shape_paired = paired_ratio("shape_grpc", "bare_grpc")
     in_shape = paired_ratio("ladle", "shape_grpc")
     polled = paired_ratio("ladle", "ladle_thread_reader")
+    own_core = paired_ratio("ladle_own_core", "bare_grpc_own_core") if cpus is not None else []
     first = runs["ladle"][0]
     out: dict[str, Any] = {
         "rows": None,
@@ -855,6 +923,7 @@ def bench_throughput(dataset: Path, workdir: Path, repeats: int) -> dict[str, An
                 "runs_seconds": [run["seconds"] for run in case_runs],
             }
             for case, case_runs in runs.items()
+            if case_runs
         },
         "ladle_real_tokens_s": _median(runs["ladle"], "real_tokens_s", 0),
         "ladle_padded_tokens_s": _median(runs["ladle"], "padded_tokens_s", 0),
@@ -868,8 +937,16 @@ def bench_throughput(dataset: Path, workdir: Path, repeats: int) -> dict[str, An
         "shape_ratio_runs": [_r(p, 2) for p in shape_paired],
         "ratio_polled_vs_thread_reader_paired": _r(statistics.median(polled), 2),
         "polled_ratio_runs": [_r(p, 2) for p in polled],
+        "ratio_own_core_paired": _r(statistics.median(own_core), 2) if own_core else None,
+        "own_core_ratio_runs": [_r(p, 2) for p in own_core],
+        "own_core_cpus": list(cpus) if cpus is not None else None,
         "server_log_problems": problems[-10:],
         "target": "ladle / bare gRPC >= 0.70 (GB/s of the same messages); TCP: the physical limit",
+        "own_core_note": (
+            "ladle_own_core and bare_grpc_own_core: the same streams with the server process on one CPU and "
+            "the 2 client processes on the other (sched_setaffinity), as when the server has cores of its "
+            "own; the issue's figure is ladle / bare gRPC with everything sharing both cores"
+        ),
         "shape_note": (
             "shape_grpc: the same frames in ladle's call shape with no ladle logic (grpc.aio server, "
             "bidirectional stream with credits grouped at 3/4 of the window, a reader thread polling the "
@@ -1081,6 +1158,14 @@ def summary(results: dict[str, Any]) -> list[str]:
         f"{c['ladle_thread_reader']['client_cpu_us_per_batch']:,.0f} us a batch -> the polled reader is "
         f"{tp['ratio_polled_vs_thread_reader_paired']}x of it",
     ]
+    if tp["ratio_own_core_paired"] is not None:
+        lines.append(
+            f"the servers on CPU {tp['own_core_cpus'][0]}, the trainers on CPU {tp['own_core_cpus'][1]} (a "
+            f"server with a core of its own; not the target's setup): ladle "
+            f"{c['ladle_own_core']['batches_s']:,.0f} batches/s {c['ladle_own_core']['gb_s']} GB/s; "
+            f"bare gRPC {c['bare_grpc_own_core']['gb_s']} GB/s -> {tp['ratio_own_core_paired']}x "
+            f"(runs {', '.join(str(x) for x in tp['own_core_ratio_runs'])})"
+        )
     loop = results["training_loop"]
     lc = loop["cases"]
     lines.append(
