@@ -544,18 +544,17 @@ class BatchServicer:
         here and stored nowhere. An epoch other than the job's own is built as
         an inspection is (``ScheduleBusyError`` when too many builds run).
         """
-        job = self.registry.get(name)
-        if job is None:
-            try:
-                state = self.registry.store.get(name)
-            except JobNotFoundError:
-                if not world_size:
-                    raise
-                job = self.registry.unstored(name, world_size)
-                at = 0 if epoch is None else epoch
-                return job, at, job.schedule(at, hot=at == 0)
-            job = self.registry.open(name, state.spec.world_size)
-        state = job.state()
+        try:
+            job = self.registry.get(name)
+            if job is None:
+                job = self.registry.open(name, self.registry.store.get(name).spec.world_size)
+            state = job.state()  # (a job this server knew may be gone from the store since)
+        except JobNotFoundError:
+            if not world_size:
+                raise
+            job = self.registry.unstored(name, world_size)
+            at = 0 if epoch is None else epoch
+            return job, at, job.schedule(at, hot=at == 0)
         current = min(r.position.epoch for r in state.ranks) if state.ranks else 0
         at = current if epoch is None else epoch
         return job, at, job.schedule(at, hot=at == current)

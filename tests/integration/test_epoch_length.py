@@ -114,6 +114,27 @@ def test_a_job_of_another_world_size(server_factory: Factory, small_dataset: Pat
         assert len(three) == reference(small_dataset, 3, 1).num_steps  # later epochs: the plain schedule
 
 
+def test_a_job_deleted_from_the_store_is_counted_as_new(
+    server_factory: Factory, small_dataset: Path, tmp_path: Path
+) -> None:
+    """``ladle jobs --delete`` under a server that served the job: the length is the new job's."""
+    from ladle.service.store import EmbeddedStore
+
+    state_db = tmp_path / "deleted.db"
+    server = server_factory(state=state_db)
+    with BatchClient(0, 2, server.address, "gone", timeout=30) as client:
+        it = iter(client)
+        for _ in range(3):
+            next(it)
+    store = EmbeddedStore(state_db)
+    try:
+        assert store.delete_job("gone")
+    finally:
+        store.close()
+    with BatchClient(0, 2, server.address, "gone", timeout=30) as again:
+        assert len(again) == reference(small_dataset, 2).num_steps
+
+
 def test_no_server_is_a_clear_error_after_the_timeout() -> None:
     import socket
 
