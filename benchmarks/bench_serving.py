@@ -859,9 +859,8 @@ def bench_throughput(dataset: Path, workdir: Path, repeats: int) -> dict[str, An
             runs["tcp_1_reader"].append(
                 _timed(clients, bare.pid, "tcp", [{"port": tcp_both, "count": sum(counts)}])
             )
-            if (
-                cpus is not None
-            ):  # each server on a core of its own, as in a deployment, the trainers on the other
+            # each server on a core of its own, as in a deployment, the trainers on the other
+            if cpus is not None:
                 client_pids = [p.pid for p in clients.processes if p.pid is not None]
                 with _pinned([server.pid], client_pids, cpus):
                     runs["ladle_own_core"].append(

@@ -593,20 +593,19 @@ class Assembler:
         # the rows' bounds are checked by the plan, in the same pass that reads their offsets
         row_ids, width, limit, pad = self._checked(rows, padded_len, max_len, pad_id, bounds=False)
         count = len(row_ids)
-        if count:
-            row_ids = np.ascontiguousarray(row_ids)
-            try:
+        try:  # both calls read the mapping
+            if count:
+                row_ids = np.ascontiguousarray(row_ids)
                 plan, real_tokens = _frame_c.plan(row_ids, limit, *self._tables)
-            except _MappedReadError:
-                self._mapping_failed()
-        else:
-            plan, real_tokens = b"", 0  # batch_frame_head refuses an empty batch
-        head, gap = codec.batch_frame_head(**fields, rows=count, padded_len=width, real_tokens=real_tokens)
-        # plan: cut, ids chunk, mask chunk, ids start, mask start (int64 each), then int32 lengths
-        view, size = memoryview(plan), 8 * count
-        cut, ids_chunk, mask_chunk, ids_at, mask_at = (view[i * size : (i + 1) * size] for i in range(5))
-        lengths = view[5 * size :]
-        try:
+            else:
+                plan, real_tokens = b"", 0  # batch_frame_head refuses an empty batch
+            head, gap = codec.batch_frame_head(
+                **fields, rows=count, padded_len=width, real_tokens=real_tokens
+            )
+            # plan: cut, ids chunk, mask chunk, ids start, mask start (int64 each), then int32 lengths
+            view, size = memoryview(plan), 8 * count
+            cut, ids_chunk, mask_chunk, ids_at, mask_at = (view[i * size : (i + 1) * size] for i in range(5))
+            lengths = view[5 * size :]
             data = _frame_c.frame(
                 head,
                 gap,
@@ -645,10 +644,14 @@ class Assembler:
         try:
             self.dataset.check_files()
         except DatasetChangedError as exc:
-            if str(exc) not in self._reported:
-                self._reported.add(str(exc))
-                log.error("%s", exc)
-            raise
+            self._report(exc)
+
+    def _report(self, exc: DatasetChangedError) -> NoReturn:
+        """Log ``exc`` (once for each change seen) and raise it."""
+        if str(exc) not in self._reported:
+            self._reported.add(str(exc))
+            log.error("%s", exc)
+        raise exc
 
     def _mapping_failed(self) -> NoReturn:
         """After a read of the mapping faulted: the ``DatasetChangedError`` of the file that changed.
@@ -658,11 +661,13 @@ class Assembler:
         letting the SIGBUS kill the server. By now ``stat`` sees the cut.
         """
         self._check_files()
-        exc = DatasetChangedError(
-            self.dataset.path, self.dataset.path, "a page of its memory mapping could not be read (SIGBUS)"
+        self._report(
+            DatasetChangedError(
+                self.dataset.path,
+                self.dataset.path,
+                "a page of its memory mapping could not be read (SIGBUS)",
+            )
         )
-        log.error("%s", exc)
-        raise exc
 
     def _check_rows(self, rows: npt.ArrayLike, *, bounds: bool = True) -> I64:
         array = np.asarray(rows)
