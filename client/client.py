@@ -112,7 +112,7 @@ _JOB_NAME = re.compile(codec.JOB_NAME_PATTERN)
 _DEFAULT_PORT = 50051
 
 
-def _target(address: str) -> str:
+def grpc_target(address: str) -> str:
     """A gRPC target for ``address``: a host alone gets ladle's port 50051 (gRPC would take 443).
 
     ``host:port`` and ``[v6]:port`` are kept, as are targets with a scheme
@@ -540,14 +540,14 @@ class BatchClient:
         self.elastic = bool(elastic)
         self.own_cursor = bool(own_cursor)
         # "a:50051,b:50051": replicas; rank r starts on the r-th (mod n) and fails over in turn
-        self.servers = [_target(a.strip()) for a in self.server.split(",") if a.strip()]
+        self.servers = [grpc_target(a.strip()) for a in self.server.split(",") if a.strip()]
         if not self.servers:
             raise ValueError(f"server must name at least one host:port, got {self.server!r}")
         self._server_index = self.rank % len(self.servers)
         token = str(_from_env(token, "LADLE_TOKEN", "", str)).strip() or _token_file()
         # the token travels only in the call metadata; never in a message, a log line or repr()
         self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
-        self._credentials = _channel_credentials(tls, root_certificates, client_certificate, client_key)
+        self._credentials = channel_credentials(tls, root_certificates, client_certificate, client_key)
         _check_device(device, pin_memory)
         self._convert = _converter(device, pin_memory)
         self._channel: Any = None
@@ -1232,7 +1232,7 @@ def _pem(value: bytes | str | os.PathLike[str] | None, env: str, what: str) -> b
         raise ValueError(f"{what}: cannot read {os.fspath(value)!r}: {exc.strerror or exc}") from None
 
 
-def _channel_credentials(
+def channel_credentials(
     tls: bool | None,
     root_certificates: bytes | str | os.PathLike[str] | None,
     client_certificate: bytes | str | os.PathLike[str] | None,

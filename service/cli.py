@@ -1,4 +1,4 @@
-"""The ladle command line: plan, serve, demo, jobs, inspect and make-dataset.
+"""The ladle CLI: plan, serve, demo, jobs, inspect, health and make-dataset.
 
 Every command takes the same schedule options, from flags or a TOML file
 (``--config``; flags win). Errors a user can cause print one line and exit 2;
@@ -30,6 +30,9 @@ from .schedule.stats import (
     summary,
 )
 from .text import Split, TokenizerKind
+
+# The gRPC health service's name for "ready to serve trainers" (ladle.proto.rpc.SERVICE).
+SERVICE_HEALTH: Final = "ladle.v1.BatchService"
 
 __all__ = ["build_parser", "main"]
 
@@ -180,6 +183,39 @@ def build_parser() -> argparse.ArgumentParser:
     )
     inspect.add_argument("--tls-key", metavar="PEM", help=f"its private key (default: ${TLS_KEY_ENV})")
 
+    health = sub.add_parser(
+        "health",
+        help="ask a server's gRPC health service, as an exec probe does (exit 0 when SERVING)",
+        description="Exit 0 when the server answers SERVING for the service, 1 when it answers "
+        "anything else, 2 when it cannot be asked (not there, TLS refused, no answer in time).",
+    )
+    health.add_argument(
+        "--server", default="127.0.0.1:50051", help="its gRPC address (default: 127.0.0.1:50051)"
+    )
+    health.add_argument(
+        "--service",
+        default=SERVICE_HEALTH,
+        help=f"default: {SERVICE_HEALTH}, ready to serve trainers (the dataset and the cursor store "
+        'answer); "" for the process alone, as a liveness probe asks',
+    )
+    health.add_argument("--timeout", type=float, default=3.0, help="seconds to wait (default: 3)")
+    health.add_argument(
+        "--tls", action="store_true", help="speak TLS, trusting the system's CAs (implied by --tls-ca)"
+    )
+    health.add_argument(
+        "--tls-ca", metavar="PEM", help="speak TLS, trusting this CA (default: $LADLE_TLS_CA)"
+    )
+    health.add_argument(
+        "--tls-cert", metavar="PEM", help=f"mutual TLS: the client certificate (default: ${TLS_CERT_ENV})"
+    )
+    health.add_argument("--tls-key", metavar="PEM", help=f"its private key (default: ${TLS_KEY_ENV})")
+    health.add_argument(
+        "--tls-server-name",
+        metavar="NAME",
+        help="the name to check the server's certificate against, when --server does not carry it "
+        "(a probe inside the pod asks 127.0.0.1)",
+    )
+
     make = sub.add_parser(
         "make-dataset", help="write a tokenized dataset: synthetic (production length mix) or real text"
     )
@@ -249,6 +285,8 @@ def _run(args: argparse.Namespace) -> int:
             return _jobs(args)
         if args.command == "inspect":
             return _inspect(args)
+        if args.command == "health":
+            return _health(args)
         if args.command == "demo":
             from .demo import run_demo
 
@@ -456,6 +494,48 @@ def _inspect(args: argparse.Namespace) -> int:
     print()
     print(format_cursor(doc["cursor"]))
     return 0
+
+
+def _health(args: argparse.Namespace) -> int:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from ladle.client.client import channel_credentials, grpc_target
+
+    if not math.isfinite(args.timeout) or args.timeout <= 0:
+        raise ConfigError("timeout", f"--timeout must be a positive number of seconds, not {args.timeout}")
+    try:
+        target = grpc_target(args.server)
+        credentials = channel_credentials(
+            True if args.tls else None, args.tls_ca, args.tls_cert, args.tls_key
+        )
+    except ValueError as exc:
+        raise ConfigError("server", str(exc)) from None
+    if args.tls_server_name and credentials is None:
+        raise ConfigError("tls_server_name", "--tls-server-name goes with TLS (--tls or --tls-ca)")
+    options = [("grpc.ssl_target_name_override", args.tls_server_name)] if args.tls_server_name else []
+    channel = (
+        grpc.insecure_channel(target, options=options)
+        if credentials is None
+        else grpc.secure_channel(target, credentials, options=options)
+    )
+    service = args.service or "overall"
+    with channel:
+        try:
+            answer = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=args.service), timeout=args.timeout
+            )
+        except grpc.RpcError as exc:
+            code = exc.code()
+            if code == grpc.StatusCode.NOT_FOUND:
+                print(f"{target}: no service {args.service!r} (the server does not know it)")
+                return 1
+            detail = exc.details() or ""
+            print(f"ladle: error: {target}: {code.name}: {detail}", file=sys.stderr)
+            return 2
+    status = health_pb2.HealthCheckResponse.ServingStatus.Name(answer.status)
+    print(f"{target} {service}: {status}")
+    return 0 if answer.status == health_pb2.HealthCheckResponse.SERVING else 1
 
 
 def format_job_names(jobs: Sequence[dict[str, Any]]) -> str:

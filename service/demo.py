@@ -23,7 +23,6 @@ from typing import Any, get_args
 
 import numpy as np
 
-from .dataset import open_dataset
 from .launch import ServeProcess, ServerStartError
 from .schedule import ScheduleConfig, build_schedule
 from .schedule.stats import longest_runs, quality
@@ -118,6 +117,8 @@ def _serve_and_train(
 
             print(f"making a sample dataset: {rows} rows of the production length mix in {dataset}")
             make_dataset(dataset, rows, seed=0)
+    from .dataset import open_dataset  # here: `ladle --help` and the other commands need no datasets
+
     ds = open_dataset(dataset)
     sched = build_schedule(ds.lengths, config, epoch=0, world_size=world_size)
     (work / "ladle.toml").write_text(config.to_toml())

@@ -33,6 +33,7 @@ from .errors import (
     ScheduleError,
     WorldSizeMismatchError,
 )
+from .limits import SPARE_SCHEDULES
 from .schedule import ALGORITHM_VERSION, Dropped, Schedule, ScheduleConfig, build_schedule
 from .store.base import (
     CursorStore,
@@ -62,9 +63,8 @@ __all__ = [
 ]
 
 # What a server keeps of its jobs' schedules (ScheduleCache): every one a stream used in the
-# last HOT_SECONDS, and SPARE_SCHEDULES more; inspection builds one at a time, with
-# MAX_COLD_WAITING requests waiting up to COLD_WAIT_S for their turn.
-SPARE_SCHEDULES: Final = 4
+# last HOT_SECONDS, and SPARE_SCHEDULES (a limit, in .limits) more; inspection builds one at a
+# time, with MAX_COLD_WAITING requests waiting up to COLD_WAIT_S for their turn.
 SWEEP_SECONDS: Final = 1.0  # a stream's use drops idle schedules at most this often
 HOT_SECONDS: Final = 60.0
 MAX_COLD_WAITING: Final = 2

@@ -17,7 +17,11 @@ from dataclasses import dataclass, field
 from typing import Final
 
 from .errors import ConfigError
-from .jobs import SPARE_SCHEDULES
+
+# Schedules a server keeps beyond those its streams use (jobs.ScheduleCache). Defined here, not
+# in .jobs, so the command line reads its limits without importing the dataset layer (datasets,
+# pandas: a second of start-up that `ladle health` and `ladle jobs` have no use for).
+SPARE_SCHEDULES: Final = 4
 
 __all__ = ["RPC_HEADROOM", "Limits", "connection_cap"]
 

@@ -39,6 +39,7 @@ from .grpc_server import ACK_FLUSH_SECONDS, BatchServicer
 from .jobs import JobRegistry
 from .limits import Limits
 from .metrics import ServerMetrics, TimedStore
+from .readiness import STORE_ANSWER_S, Readiness
 from .schedule import ScheduleConfig
 from .security import TlsFiles, TokenCheck, TokenInterceptor, check_exposure
 from .store import DEFAULT_JOB_TTL_S, CursorStore, open_store
@@ -52,6 +53,10 @@ log = logging.getLogger("ladle.server")
 _SIGNAL_POLL_S = 0.2
 
 DEFAULT_STATE = ".ladle/state.db"
+# How often the gRPC health service's status for ladle.v1.BatchService follows the readiness check
+# (a store ping and a stat of the data files): a readiness probe sees a change within this plus
+# its own period.
+READY_CHECK_S = 2.0
 
 
 class BatchServer:
@@ -108,6 +113,8 @@ class BatchServer:
         self._store: CursorStore | None = None
         self._servicer: BatchServicer | None = None
         self._health: Any = None
+        self._readiness: Readiness | None = None
+        self._watcher: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread: threading.Thread | None = None
         self._stopped = threading.Event()
@@ -136,6 +143,7 @@ class BatchServer:
                 f"{exc.strerror or exc}"
             ) from None
         self._store = TimedStore(store, self.metrics)
+        self._readiness = Readiness(dataset, self._store)
         registry = JobRegistry(dataset, self.config, self._store, spare=self.limits.spare_schedules)
         # Build epoch 0 now: a bad config fails at start-up, not on the first trainer.
         from .schedule import build_schedule
@@ -164,7 +172,8 @@ class BatchServer:
             from .security import is_loopback
 
             local = is_loopback(self.host) and self.token is None
-            app = create_app(Inspector(registry), self.metrics, token=self.token, local_hosts_only=local)
+            inspector = Inspector(registry, self._readiness)
+            app = create_app(inspector, self.metrics, token=self.token, local_hosts_only=local)
             try:
                 self._http = HttpServer(app, self.host, self.requested_http_port, tls=self.tls).start()
             except BaseException:
@@ -172,6 +181,8 @@ class BatchServer:
                 raise
             self.http_port = self._http.port
             log.info("HTTP on %s", self._http.url)
+        self._watcher = threading.Thread(target=self._watch_readiness, name="ladle-readiness", daemon=True)
+        self._watcher.start()
         # The store's repr names its file or its Redis URL with the password redacted.
         log.info("serving %s on %s (store %r)", self.dataset_path, self.address, self._store)
         return self
@@ -211,6 +222,37 @@ class BatchServer:
         await self._health.set("", health_pb2.HealthCheckResponse.SERVING)
         await self._health.set(rpc.SERVICE, health_pb2.HealthCheckResponse.SERVING)
 
+    def _watch_readiness(self) -> None:
+        """Keep the health status of ``ladle.v1.BatchService`` on the readiness check, as ``/readyz`` answers.
+
+        ``NOT_SERVING`` while the dataset changed on disk or the cursor store
+        does not answer (or refuses writes), ``SERVING`` again once both are
+        back. The overall status (service ``""``) stays ``SERVING`` until the
+        shutdown: the process answers, so a liveness probe must not restart it
+        and cut the streams of its trainers. Kubernetes probes readiness here
+        (``grpc: {port: 50051, service: ladle.v1.BatchService}``) rather than
+        over HTTP, whose 128 connections anyone who reaches the port can hold.
+        Its own thread: the event loop's executor can be full of store calls
+        waiting on a store that hangs, the very moment this must answer.
+        """
+        readiness, loop, answer = self._readiness, self._loop, health_pb2.HealthCheckResponse
+        assert readiness is not None
+        assert loop is not None
+        serving = True
+        while not self._stopped.wait(READY_CHECK_S):
+            why = readiness.problem()  # waits at most STORE_ANSWER_S for the store
+            if (why is None) == serving:
+                continue
+            serving = why is None
+            if serving:
+                log.warning("ready again: the dataset is as it was and the cursor store answers")
+            else:
+                log.warning("not ready (gRPC health %s NOT_SERVING, /readyz 503): %s", rpc.SERVICE, why)
+            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: the server stopped
+                asyncio.run_coroutine_threadsafe(
+                    self._health.set(rpc.SERVICE, answer.SERVING if serving else answer.NOT_SERVING), loop
+                )
+
     async def _stop(self, grace: float) -> None:
         if self._health is not None:
             await self._health.enter_graceful_shutdown()
@@ -245,6 +287,8 @@ class BatchServer:
         if self._stopped.is_set():
             return
         self._stopped.set()
+        if self._watcher is not None:  # it may be waiting on the store: at most STORE_ANSWER_S
+            self._watcher.join(timeout=STORE_ANSWER_S + 1)
         if self._http is not None:
             self._http.stop()
         if self._loop is not None:

@@ -15,10 +15,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from concurrent.futures import Future
-from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Final, Literal, TypeVar
 
 import numpy as np
@@ -26,6 +23,7 @@ import numpy.typing as npt
 
 from ..errors import ConfigError, JobMismatchError, LadleError
 from ..jobs import Job, JobRegistry
+from ..readiness import Readiness
 from ..schedule import Schedule
 from ..schedule.stats import BucketRow, LossFigures, Quality, bucket_table, quality, simulate_loss
 from ..store.base import JobState, Position
@@ -57,9 +55,6 @@ MAX_PAGE_BATCHES_WITH_SAMPLES: Final = 1024
 PREVIEW_WORLD_SIZE: Final = 8
 # Epochs apart beyond which a rank's lag is estimated from its own epoch's length.
 _EXACT_LAG_EPOCHS = 3
-# /readyz waits this long for the store's answer: a Redis that hangs answers nothing for its 5 s
-# socket timeout, and a probe's own timeout (Kubernetes: 1 s by default) would expire first
-STORE_ANSWER_S: Final = 1.0
 
 
 class JobNotServedError(JobMismatchError):
@@ -128,7 +123,7 @@ class _Memo:
 class Inspector:
     """Read-only views of the jobs one server serves (thread-safe)."""
 
-    def __init__(self, registry: JobRegistry) -> None:
+    def __init__(self, registry: JobRegistry, readiness: Readiness | None = None) -> None:
         self.registry = registry
         self.dataset = registry.dataset
         self.config = registry.config
@@ -140,9 +135,8 @@ class Inspector:
         self._listing_busy = False
         self._listing_round = 0
         self._listed: list[JobState] | BaseException = []
-        # one store ping at a time; readiness checks that come meanwhile wait for that one
-        self._ping_lock = threading.Lock()
-        self._ping: Future[str | None] | None = None
+        # the server's own check when it has one (one store ping at a time for both faces)
+        self.readiness = readiness if readiness is not None else Readiness(registry.dataset, registry.store)
 
     # --- jobs ---
 
@@ -377,31 +371,9 @@ class Inspector:
     # --- readiness ---
 
     def dataset_ok(self) -> bool:
-        """The dataset was opened and validated at start-up; its folder and files must be as they were."""
-        if not Path(self.dataset.path).exists():
-            return False
-        return all(data_file.change() is None for data_file in self.dataset.files)
+        """The dataset's folder and files are as they were when the server opened them."""
+        return self.readiness.dataset_ok()
 
     def store_error(self) -> str | None:
         """Why the cursor store cannot be used now, or None when it answers (within ``STORE_ANSWER_S``)."""
-        with self._ping_lock:
-            if self._ping is None or self._ping.done():
-                self._ping = Future()
-                threading.Thread(
-                    target=self._ping_store, args=(self._ping,), name="ladle-ping", daemon=True
-                ).start()
-            ping = self._ping
-        try:
-            return ping.result(timeout=STORE_ANSWER_S)
-        except FutureTimeout:
-            return f"cursor store {self.store!r} did not answer within {STORE_ANSWER_S:.0f} s"
-
-    def _ping_store(self, done: Future[str | None]) -> None:
-        try:
-            self.store.ping()
-        except LadleError as exc:
-            done.set_result(str(exc))
-        except Exception as exc:  # a store must raise StoreUnavailableError; readiness never crashes
-            done.set_result(f"{type(exc).__name__}: {exc}")
-        else:
-            done.set_result(None)
+        return self.readiness.store_error()

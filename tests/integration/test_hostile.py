@@ -341,6 +341,13 @@ def data_files(dataset: Path) -> list[Path]:
     return files
 
 
+def serve_a_copy(server_factory: Factory, small_dataset: Path, tmp_path: Path) -> tuple[ServerProcess, Path]:
+    """A server of a copy of the dataset (the test may change its files), and the copy's first data file."""
+    copy = tmp_path / "served-ds"
+    shutil.copytree(small_dataset, copy)
+    return server_factory(dataset=copy), data_files(copy)[0]
+
+
 @pytest.mark.parametrize("how", ["truncated", "grown", "replaced", "rewritten", "removed"])
 def test_every_change_of_a_data_file_is_detected(small_dataset: Path, tmp_path: Path, how: str) -> None:
     copy = tmp_path / "ds"
@@ -374,10 +381,7 @@ def test_a_dataset_truncated_while_served(
     server_factory: Factory, small_dataset: Path, tmp_path: Path
 ) -> None:
     """The trainer gets FAILED_PRECONDITION naming the file, the log names it, and the server stays up."""
-    copy = tmp_path / "served-ds"
-    shutil.copytree(small_dataset, copy)
-    server = server_factory(dataset=copy)
-    victim = data_files(copy)[0]
+    server, victim = serve_a_copy(server_factory, small_dataset, tmp_path)
     client = BatchClient(0, 1, server.address, "truncated", timeout=60, prefetch=1)
     try:
         it = iter(client)

@@ -151,7 +151,7 @@ def _help(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
 
 def test_help_names_every_command_and_the_defaults(capsys: pytest.CaptureFixture[str]) -> None:
     top = _help(capsys)
-    assert "jobs, inspect and make-dataset" in top, "ladle --help leaves a command out"
+    assert "jobs, inspect, health and make-dataset" in top, "ladle --help leaves a command out"
     serve = _help(capsys, "serve")
     for default in ("(default: 50051)", "(default: 8080)", "(default: .ladle/state.db)", "(default: 5)"):
         assert default in serve, f"ladle serve --help does not show {default}"
@@ -254,3 +254,12 @@ def test_bad_store_timings_are_named_as_their_flags(
     err = capsys.readouterr().err
     assert shown in err, err
     assert "_s:" not in err, err
+
+
+def test_health_asks_for_the_batch_service_by_default() -> None:
+    """`ladle health` names the service without importing grpc; it must be the one the server registers."""
+    from ladle.proto import rpc
+    from ladle.service.cli import SERVICE_HEALTH, build_parser
+
+    assert SERVICE_HEALTH == rpc.SERVICE
+    assert build_parser().parse_args(["health"]).service == rpc.SERVICE

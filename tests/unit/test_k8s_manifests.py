@@ -5,7 +5,7 @@ strict mode also refuses fields the schema does not know (a typo in a probe
 or a volume is an error, not a silently ignored key). Beyond the schema: the
 objects refer to each other by names that exist, the server's arguments
 parse with ladle's own command line, and the probes hit ladle's endpoints
-(liveness and startup its gRPC health service, not the HTTP face).
+(every probe the gRPC health service, not the HTTP face).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import yaml
 
+from ladle.proto.rpc import SERVICE
 from ladle.service.cli import build_parser
 
 kubernetes_validate = pytest.importorskip("kubernetes_validate")
@@ -100,25 +101,28 @@ def test_the_server_runs_ladle_serve_with_probes_on_its_endpoints() -> None:
     container = deployment["spec"]["template"]["spec"]["containers"][0]
     args = build_parser().parse_args(container["args"][1:])  # a wrong flag fails here
     assert args.command == "serve"
-    assert container["readinessProbe"]["httpGet"]["path"] == "/readyz"  # it reflects the store
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
-    assert container["readinessProbe"]["httpGet"]["port"] == "http"
     assert ports["http"] == args.http_port
+    assert ports["grpc"] == args.grpc_port
     assert "requests" in container["resources"]
     pdb = by_kind("PodDisruptionBudget")["ladle"]
     assert pdb["spec"]["minAvailable"] < deployment["spec"]["replicas"]
 
 
-def test_liveness_and_startup_probe_the_grpc_health_service() -> None:
-    """Not HTTP /healthz: whoever fills the HTTP face's 128 connections would get the pod restarted."""
+def test_every_probe_asks_the_grpc_health_service() -> None:
+    """Not the HTTP face: whoever fills its 128 connections would get the pod restarted (liveness) or
+    taken out of the Service (readiness)."""
     container = by_kind("Deployment")["ladle"]["spec"]["template"]["spec"]["containers"][0]
     args = build_parser().parse_args(container["args"][1:])
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
-    for probe in ("livenessProbe", "startupProbe"):
+    for probe in ("livenessProbe", "startupProbe", "readinessProbe"):
         assert "httpGet" not in container[probe], f"{probe} goes through the HTTP face"
-        # the standard health service ("": the whole server), which ladle answers without a token
-        assert container[probe]["grpc"].get("service", "") == "", probe
         assert container[probe]["grpc"]["port"] == args.grpc_port == ports["grpc"], probe
+    # the standard health service, which ladle answers without a token: "" is the process (restart
+    # it when that fails), ladle.v1.BatchService its readiness (the dataset and the cursor store)
+    assert container["livenessProbe"]["grpc"].get("service", "") == ""
+    assert container["startupProbe"]["grpc"].get("service", "") == ""
+    assert container["readinessProbe"]["grpc"]["service"] == SERVICE
 
 
 def test_the_trainer_job_sets_rank_and_world_size() -> None:

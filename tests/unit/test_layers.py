@@ -27,3 +27,9 @@ def test_client_does_not_import_the_service() -> None:
     assert not [m for m in json.loads(out.stdout) if m.startswith("ladle.service")], (
         "client imports the service"
     )
+
+
+def test_the_command_line_starts_without_the_dataset_layer() -> None:
+    """`datasets` (with pandas) costs a second of start-up: an exec probe (`ladle health`) runs often."""
+    loaded = imported_after("from ladle.service.cli import build_parser; build_parser()")
+    assert not loaded & {"datasets", "pandas", "pyarrow", "torch"}, sorted(loaded)
