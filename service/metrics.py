@@ -18,7 +18,7 @@ from bisect import bisect_left
 from collections.abc import Callable, Iterable
 from typing import Any, Final
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -192,6 +192,13 @@ class ServerMetrics:
             ["limit"],
             registry=self.registry,
         )
+        self.ready = Gauge(
+            "ladle_ready",
+            "1 while the server is ready to serve trainers (its dataset as opened, its cursor store "
+            "answering), else 0: the readiness check behind /readyz and the gRPC health service",
+            registry=self.registry,
+        )
+        self.ready.set(1)
         self.registry.register(_Served(self))
 
     def stream(self, job: str, rank: int) -> StreamMeter:

@@ -244,6 +244,7 @@ class BatchServer:
             if (why is None) == serving:
                 continue
             serving = why is None
+            self.metrics.ready.set(serving)
             if serving:
                 log.warning("ready again: the dataset is as it was and the cursor store answers")
             else:

@@ -62,13 +62,24 @@ def wait_for_status(stub: Any, service: str, want: int) -> float:
     return time.monotonic() - began
 
 
-def readyz(server: ServerProcess) -> int:
+def http_get(server: ServerProcess, path: str) -> tuple[int, str]:
     conn = http.client.HTTPConnection("127.0.0.1", server.http_port, timeout=30)
     try:
-        conn.request("GET", "/readyz")
-        return conn.getresponse().status
+        conn.request("GET", path)
+        response = conn.getresponse()
+        return response.status, response.read().decode()
     finally:
         conn.close()
+
+
+def readyz(server: ServerProcess) -> int:
+    return http_get(server, "/readyz")[0]
+
+
+def metrics(server: ServerProcess) -> str:
+    status, body = http_get(server, "/metrics")
+    assert status == 200, body
+    return body
 
 
 class Watch:
@@ -108,9 +119,11 @@ def test_a_store_that_goes_away_makes_the_batch_service_not_serving_and_back(
             wait_for_status(stub, rpc.SERVICE, NOT_SERVING)
             assert status(stub, "") == SERVING, "the process itself answers: liveness must stay SERVING"
             assert readyz(server) == 503, "/readyz and the gRPC health service disagree"
+            assert "\nladle_ready 0.0\n" in metrics(server)
             redis.start()  # the same port
             wait_for_status(stub, rpc.SERVICE, SERVING)
             assert readyz(server) == 200
+            assert "\nladle_ready 1.0\n" in metrics(server)
             # a trainer is served again
             with BatchClient(0, 1, server.address, "after-outage", timeout=60) as client:
                 assert next(iter(client)).step == 0
