@@ -175,7 +175,13 @@ class BatchServer:
             inspector = Inspector(registry, self._readiness)
             app = create_app(inspector, self.metrics, token=self.token, local_hosts_only=local)
             try:
-                self._http = HttpServer(app, self.host, self.requested_http_port, tls=self.tls).start()
+                self._http = HttpServer(
+                    app,
+                    self.host,
+                    self.requested_http_port,
+                    tls=self.tls,
+                    on_refused=lambda: self.metrics.error("http", "503"),  # uvicorn's, over the cap
+                ).start()
             except BaseException:
                 self.stop(grace=0)
                 raise

@@ -19,7 +19,8 @@ import logging
 import socket
 import threading
 import time
-from typing import Any, Final
+from collections.abc import Callable
+from typing import Any, Final, cast
 
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
@@ -37,6 +38,31 @@ HTTP_REQUEST_TIMEOUT_S: Final = 10
 _MAX_HEADER_BYTES: Final = 16 << 10
 
 
+# what uvicorn logs (a warning) for each request it answers 503 itself, over ``limit_concurrency``
+_OVER_LIMIT: Final = "Exceeded concurrency limit."
+
+
+class _CountRefusals:
+    """uvicorn's logger for one connection, which also counts the requests uvicorn refuses over the cap.
+
+    uvicorn answers those 503 without calling the app, so the app's own
+    error count never sees them; the warning it logs for each is the one
+    place to count them (tested against the installed uvicorn).
+    """
+
+    def __init__(self, logger: logging.Logger, on_refused: Callable[[], None]) -> None:
+        self._logger = logger
+        self._on_refused = on_refused
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._logger, name)
+
+    def warning(self, msg: object, *args: Any, **kwargs: Any) -> None:
+        if msg == _OVER_LIMIT:
+            self._on_refused()
+        self._logger.warning(msg, *args, **kwargs)
+
+
 class _H11(H11Protocol):
     """uvicorn's h11 protocol, which also times out a connection that opens and says nothing or too little.
 
@@ -49,6 +75,13 @@ class _H11(H11Protocol):
     """
 
     request_timeout_s: float = HTTP_REQUEST_TIMEOUT_S
+    on_refused: Callable[[], None] | None = None  # a request refused over the connection cap (a 503)
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if self.on_refused is not None:
+            # every call uvicorn makes on its logger goes through (a duck, not a Logger subclass)
+            self.logger = cast(logging.Logger, _CountRefusals(self.logger, self.on_refused))
 
     def connection_made(self, transport: Any) -> None:
         super().connection_made(transport)
@@ -71,6 +104,11 @@ class _H11(H11Protocol):
         answering = self.cycle is not None and not self.cycle.response_complete
         if not answering and not self.transport.is_closing():
             self.transport.close()
+
+
+def _counting(on_refused: Callable[[], None]) -> type[_H11]:
+    """The protocol class of one server: its connections call ``on_refused`` for each request over the cap."""
+    return type("_H11", (_H11,), {"on_refused": staticmethod(on_refused)})
 
 
 def _bind(host: str, port: int) -> socket.socket:
@@ -103,12 +141,14 @@ class HttpServer:
         tls: TlsFiles | None = None,
         max_connections: int = HTTP_MAX_CONNECTIONS,
         idle_timeout_s: int = HTTP_IDLE_TIMEOUT_S,
+        on_refused: Callable[[], None] | None = None,
     ) -> None:
         if not 0 <= port <= 65535:
             raise ConfigError("http_port", f"must be in 0..65535, got {port}")
         self.app = app
         self.max_connections = max_connections
         self.idle_timeout_s = idle_timeout_s
+        self.on_refused = on_refused
         self.tls = tls
         self.host = host
         self.requested_port = port
@@ -131,7 +171,7 @@ class HttpServer:
             access_log=False,
             lifespan="off",
             loop="asyncio",
-            http=_H11,
+            http=_H11 if self.on_refused is None else _counting(self.on_refused),
             ws="none",
             timeout_graceful_shutdown=2,
             limit_concurrency=self.max_connections,

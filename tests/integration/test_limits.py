@@ -313,12 +313,18 @@ def _get(port: int) -> int:
 
 
 def test_http_caps_connections_and_closes_silent_ones() -> None:
-    http = HttpServer(_hello, "127.0.0.1", 0, max_connections=3, idle_timeout_s=1).start()
+    refused: list[float] = []
+    http = HttpServer(
+        _hello, "127.0.0.1", 0, max_connections=3, idle_timeout_s=1, on_refused=lambda: refused.append(1)
+    ).start()
     try:
         assert _get(http.port) == 200
+        assert not refused
         silent = [socket.create_connection(("127.0.0.1", http.port), timeout=10) for _ in range(3)]
         time.sleep(0.2)
         assert _get(http.port) == 503, "a fourth connection was served over max_connections=3"
+        assert _get(http.port) == 503
+        assert len(refused) == 2, "the 503s uvicorn gave over the cap were not counted (its warning changed?)"
         began = time.monotonic()
         for sock in silent:
             assert sock.recv(4096) == b"", "a silent HTTP connection got data instead of being closed"

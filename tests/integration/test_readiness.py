@@ -188,6 +188,8 @@ def test_held_http_connections_leave_grpc_readiness_serving(server_factory: Fact
             time.sleep(0.2)
         with BatchClient(0, 1, server.address, "under-http-flood", timeout=60) as client:
             assert next(iter(client)).step == 0
+    # the 503 uvicorn gave over the cap (not the app's: it never saw the request) is counted
+    assert '\nladle_errors_total{code="503",face="http"} 1.0\n' in metrics(server)
 
 
 def test_a_stopping_server_is_not_serving(server_factory: Factory) -> None:
