@@ -713,13 +713,20 @@ class BatchClient:
         """
         if epoch is None and self._next is not None:
             epoch = self._next[0]
+        # not read a batch yet: where this rank's stream would start (its own cursor, or the job's)
+        rank = self.rank if epoch is None else None
         deadline = time.monotonic() + self.timeout
         backoff = _BACKOFF_FIRST
         while True:
             stub = self._connect(deadline)
             try:
                 return stub.describe(
-                    self.job, max(0.01, deadline - time.monotonic()), world_size=self.world_size, epoch=epoch
+                    self.job,
+                    max(0.01, deadline - time.monotonic()),
+                    world_size=self.world_size,
+                    epoch=epoch,
+                    rank=rank,
+                    own_cursor=self.own_cursor,
                 )
             except grpc.RpcError as exc:
                 if exc.code() is grpc.StatusCode.DEADLINE_EXCEEDED:

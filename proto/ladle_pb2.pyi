@@ -205,14 +205,18 @@ class BatchFrame(_message.Message):
     def __init__(self, batch: _Optional[_Union[Batch, _Mapping]] = ..., epoch_end: _Optional[_Union[EpochEnd, _Mapping]] = ...) -> None: ...
 
 class DescribeRequest(_message.Message):
-    __slots__ = ("job", "world_size", "epoch")
+    __slots__ = ("job", "world_size", "epoch", "rank", "own_cursor")
     JOB_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    OWN_CURSOR_FIELD_NUMBER: _ClassVar[int]
     job: str
     world_size: int
     epoch: int
-    def __init__(self, job: _Optional[str] = ..., world_size: _Optional[int] = ..., epoch: _Optional[int] = ...) -> None: ...
+    rank: int
+    own_cursor: bool
+    def __init__(self, job: _Optional[str] = ..., world_size: _Optional[int] = ..., epoch: _Optional[int] = ..., rank: _Optional[int] = ..., own_cursor: _Optional[bool] = ...) -> None: ...
 
 class JobInfo(_message.Message):
     __slots__ = ("job", "world_size", "epoch", "steps_per_epoch", "schedule_fingerprint", "config_fingerprint", "dataset_fingerprint", "bucket_bounds", "token_budget", "max_batch_size", "max_frame_bytes")

@@ -87,12 +87,21 @@ class BatchServiceClient:
         return self._stream(requests, timeout=timeout, metadata=self._metadata)
 
     def describe(
-        self, job: str, timeout: float | None = None, *, world_size: int = 0, epoch: int | None = None
+        self,
+        job: str,
+        timeout: float | None = None,
+        *,
+        world_size: int = 0,
+        epoch: int | None = None,
+        rank: int | None = None,
+        own_cursor: bool = False,
     ) -> pb.JobInfo:
-        """The server's ``JobInfo`` of ``job`` (see ``DescribeRequest`` for ``world_size``, ``epoch``)."""
-        request = pb.DescribeRequest(job=job, world_size=world_size)
+        """The server's ``JobInfo`` of ``job`` (``DescribeRequest`` says what the other fields ask)."""
+        request = pb.DescribeRequest(job=job, world_size=world_size, own_cursor=own_cursor)
         if epoch is not None:
             request.epoch = epoch
+        if rank is not None:
+            request.rank = rank
         info: pb.JobInfo = self._describe(request, timeout=timeout, metadata=self._metadata)
         return info
 

@@ -515,8 +515,9 @@ class BatchServicer:
         try:
             # the store and a schedule build may take a while: off the event loop
             epoch = request.epoch if request.HasField("epoch") else None
+            rank = request.rank if request.HasField("rank") else None
             job, epoch, sched = await asyncio.to_thread(
-                self._describe, request.job, request.world_size, epoch
+                self._describe, request.job, request.world_size, epoch, rank, request.own_cursor
             )
             return pb.JobInfo(
                 job=job.name,
@@ -535,10 +536,14 @@ class BatchServicer:
             await self._abort(context, exc)
         raise AssertionError("unreachable")
 
-    def _describe(self, name: str, world_size: int, epoch: int | None) -> tuple[Job, int, Schedule]:
+    def _describe(
+        self, name: str, world_size: int, epoch: int | None, rank: int | None = None, own_cursor: bool = False
+    ) -> tuple[Job, int, Schedule]:
         """The job ``name``, the epoch described and its schedule (on a worker thread).
 
-        ``epoch`` None: the epoch of the job's slowest rank. A job the store
+        ``epoch`` None: the epoch of the job's slowest rank, or with ``rank``
+        the epoch its stream would start in if it opened now with no
+        checkpoint (as ``_open`` starts it, with nothing joined). A job the store
         does not hold is ``JobNotFoundError`` unless ``world_size`` is given:
         then it is the job a trainer of that world size would create, built
         here and stored nowhere. An epoch other than the job's own is built as
@@ -557,6 +562,12 @@ class BatchServicer:
             return job, at, job.schedule(at, hot=at == 0)
         current = min(r.position.epoch for r in state.ranks) if state.ranks else 0
         at = current if epoch is None else epoch
+        mine = [r for r in state.ranks if r.rank == rank]
+        if epoch is None and mine:
+            start = job.normalise(mine[0].position, hot=True)
+            if not own_cursor:  # the job's cursor when a rank is just behind this one, as Open would
+                start = self._job_cursor(job, mine[0].rank, mine[0], state.ranks, quiet=True) or start
+            at = start.epoch
         return job, at, job.schedule(at, hot=at == current)
 
     # --- Stream ---
@@ -856,7 +867,7 @@ class BatchServicer:
             )
 
     def _job_cursor(
-        self, job: Job, rank: int, joined: RankState, ranks: Sequence[RankState]
+        self, job: Job, rank: int, joined: RankState, ranks: Sequence[RankState], *, quiet: bool = False
     ) -> Position | None:
         """Where a rank with no checkpoint starts when another rank of the job is just behind it, else None.
 
@@ -888,6 +899,8 @@ class BatchServicer:
         earliest = min(positions, default=own)
         if earliest >= own or self._steps_apart(job, earliest, own) > FAR_BEHIND_STEPS:
             return None
+        if quiet:  # Describe asking where it would start: nothing starts
+            return earliest
         log.info(
             "job %s rank %d: no checkpoint, so it starts at the job's cursor %s (the earliest rank's), "
             "not at its own %s, as every rank restarted without one does: the batches between are "

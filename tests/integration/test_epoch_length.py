@@ -19,7 +19,7 @@ import pytest
 from ladle.client import BatchClient, BatchClientError, FencedError, ServerUnavailableError
 from ladle.proto import rpc
 
-from .test_serving import Factory, consume, reference
+from .test_serving import CONFIG, Factory, consume, reference
 
 
 @pytest.mark.parametrize("world", [1, 2, 3])
@@ -195,3 +195,32 @@ def test_len_of_a_dataloader(server_factory: Factory, small_dataset: Path) -> No
         assert sum(1 for _ in loader) == len(loader)
     finally:
         dataset.close()
+
+
+def test_a_fresh_client_counts_the_epoch_its_stream_starts_in(
+    server_factory: Factory, small_dataset: Path
+) -> None:
+    """With no checkpoint, a rank starts at its own cursor (or, unless ``own_cursor``, at a rank just
+    behind it): ``len`` counts that epoch, not the epoch of the job's slowest rank."""
+    server = server_factory(["--sort-chunk", "64"])  # epochs packed to different lengths
+    config = CONFIG.model_copy(update={"sort_chunk": 64})
+    steps0, steps1 = (reference(small_dataset, 2, e, config).num_steps for e in (0, 1))
+    assert steps0 != steps1, "the test needs epochs of different lengths"
+    with BatchClient(0, 2, server.address, "apart", timeout=30, own_cursor=True) as ahead:
+        assert len(consume(ahead)) == steps0  # rank 0 read all of epoch 0; rank 1 has not started
+    with BatchClient(0, 2, server.address, "apart", timeout=30, own_cursor=True) as fresh:
+        assert len(fresh) == steps1, "counted the slowest rank's epoch, not this rank's"
+    with BatchClient(0, 2, server.address, "apart", timeout=30) as fresh:
+        assert len(fresh) == steps1  # no rank just behind it: its own cursor too
+    with BatchClient(1, 2, server.address, "apart", timeout=30) as behind:
+        assert len(behind) == steps0
+        assert len(consume(behind, limit=steps0 - 2)) == steps0 - 2  # 2 steps behind rank 0
+    with BatchClient(0, 2, server.address, "apart", timeout=30) as aligned:
+        assert len(aligned) == steps0, "rank 0 starts at the job's cursor (rank 1's), in epoch 0"
+        got = consume(aligned)
+        assert [b["step"] for b in got] == [steps0 - 2, steps0 - 1], "not the job's cursor"
+    with BatchClient(0, 2, server.address, "apart", timeout=30, own_cursor=True) as own:
+        assert len(own) == steps1
+        got = consume(own)
+        assert len(got) == steps1
+        assert {b["epoch"] for b in got} == {1}
