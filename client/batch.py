@@ -21,7 +21,10 @@ class Batch:
     ``attention_mask`` (int8) is 1 on the real tokens of each row (its first
     ``lengths[i]`` positions) and 0 on padding. With numpy (the default) the
     arrays are read-only views of the received message, without a copy; with
-    ``device=...`` they are torch tensors on that device.
+    ``device=...`` they are torch tensors on that device. ``device="cpu"``
+    tensors share the received message too (torch has no read-only tensor):
+    writing to them in place (``labels[labels == pad] = -100`` on
+    ``input_ids`` itself) changes this batch and nothing else, as on a copy.
 
     ``attention_mask`` is the one array not on the wire: it is made from
     ``lengths`` the first time it is read (about 10 us for a 49152-token
