@@ -29,6 +29,25 @@ def test_tensors_match_numpy(server_factory: Callable[..., Any]) -> None:
         assert np.array_equal(batch.attention_mask.numpy(), mask)
 
 
+def test_writing_into_cpu_tensors_changes_only_that_batch(server_factory: Callable[..., Any]) -> None:
+    """Labels made in place (``ids[ids == pad] = -100``), as training code does: no other batch sees it."""
+    server = server_factory()
+    with BatchClient(0, 1, server.address, "np-ref", timeout=30) as plain:
+        expected = [np.array(b.input_ids) for _, b in zip(range(12), plain, strict=False)]
+    with BatchClient(0, 1, server.address, "pt-write", timeout=30, device="cpu", prefetch=8) as client:
+        for step, batch in zip(range(12), client, strict=False):
+            ids = batch.input_ids
+            assert np.array_equal(ids.numpy(), expected[step]), (
+                f"batch {step} was changed by an earlier write"
+            )
+            ids[ids == 0] = -100
+            ids += 1
+            assert np.array_equal(
+                batch.input_ids.numpy(), np.where(expected[step] == 0, -100, expected[step]) + 1
+            )
+            assert batch.attention_mask.dtype == torch.int8  # made from the lengths, not the ids
+
+
 def test_dataloader_adapter(server_factory: Callable[..., Any]) -> None:
     server = server_factory()
     data = BatchDataset(0, 1, server.address, "dl", timeout=30)
