@@ -496,6 +496,14 @@ def _inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+# BatchClient's TLS arguments, as `ladle health` names them (a flag, or the variable it defaults to)
+_TLS_FLAGS: Final = {
+    "root_certificates": "--tls-ca ($LADLE_TLS_CA)",
+    "client_certificate": f"--tls-cert (${TLS_CERT_ENV})",
+    "client_key": f"--tls-key (${TLS_KEY_ENV})",
+}
+
+
 def _health(args: argparse.Namespace) -> int:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -506,11 +514,16 @@ def _health(args: argparse.Namespace) -> int:
         raise ConfigError("timeout", f"--timeout must be a positive number of seconds, not {args.timeout}")
     try:
         target = grpc_target(args.server)
-        credentials = channel_credentials(
-            True if args.tls else None, args.tls_ca, args.tls_cert, args.tls_key
-        )
     except ValueError as exc:
         raise ConfigError("server", str(exc)) from None
+    try:
+        tls = True if args.tls else None
+        credentials = channel_credentials(tls, args.tls_ca, args.tls_cert, args.tls_key)
+    except ValueError as exc:  # worded for BatchClient's arguments: name the flags (or their variables)
+        message = str(exc)
+        for argument, flag in _TLS_FLAGS.items():
+            message = message.replace(argument, flag)
+        raise ConfigError("tls", message) from None
     if args.tls_server_name and credentials is None:
         raise ConfigError("tls_server_name", "--tls-server-name goes with TLS (--tls or --tls-ca)")
     options = [("grpc.ssl_target_name_override", args.tls_server_name)] if args.tls_server_name else []

@@ -296,4 +296,9 @@ def test_ladle_health_with_mutual_tls(server_factory: Factory, pki: Pki) -> None
         "--server", server.address, "--tls-ca", str(pki.ca), "--tls-cert", str(pki.client_cert)
     )
     assert half.returncode == 2
-    assert "go together" in half.stderr, half.stderr
+    together = "--tls-cert ($LADLE_TLS_CERT) and --tls-key ($LADLE_TLS_KEY) go together"
+    assert together in half.stderr, half.stderr
+    unreadable = ladle_health("--server", server.address, "--tls-ca", str(pki.ca.with_name("nope.pem")))
+    assert unreadable.returncode == 2
+    said = "ladle: error: tls: --tls-ca ($LADLE_TLS_CA): cannot read "
+    assert unreadable.stderr.startswith(said), unreadable
