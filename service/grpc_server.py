@@ -562,11 +562,11 @@ class BatchServicer:
             return job, at, job.schedule(at, hot=at == 0)
         current = min(r.position.epoch for r in state.ranks) if state.ranks else 0
         at = current if epoch is None else epoch
-        mine = [r for r in state.ranks if r.rank == rank]
-        if epoch is None and mine:
-            start = job.normalise(mine[0].position, hot=True)
+        mine = next((r for r in state.ranks if r.rank == rank), None) if epoch is None else None
+        if mine is not None:
+            start = job.normalise(mine.position, hot=True)
             if not own_cursor:  # the job's cursor when a rank is just behind this one, as Open would
-                start = self._job_cursor(job, mine[0].rank, mine[0], state.ranks, quiet=True) or start
+                start = self._job_cursor(job, mine.rank, mine, state.ranks, quiet=True) or start
             at = start.epoch
         return job, at, job.schedule(at, hot=at == current)
 
