@@ -12,6 +12,10 @@ one call (a health check or a Describe of the trainer's job) and half bare
 TCP connects. Before, during and after, the server's threads, file
 descriptors, sockets and RSS are read from /proc; after the crowd has gone
 they are waited for (up to ``settle_s``) to come back to where they were.
+The cursor store's descriptors are counted apart: its SQLite connections
+are pooled, and the database file keeps one descriptor per connection that
+was ever open at once (SQLite reuses them), so they follow the largest
+number of threads that read the store together, not the connections served.
 
 The ratio is trainer batches/s during the crowd over the mean of the windows
 before and after it (so a machine that gets slower or faster over the run
@@ -80,21 +84,30 @@ FULL = SoakSettings(idle=200, silent=50, churn_s=60.0, window_s=20.0)
 # ---------------------------------------------------------------- the server, seen from /proc
 
 
-def process_stats(pid: int) -> dict[str, int]:
-    """Threads, open descriptors, sockets among them, and RSS (bytes) of process ``pid``."""
+def process_stats(pid: int, store: str | os.PathLike[str] = "") -> dict[str, int]:
+    """Threads, open descriptors, sockets among them, and RSS (bytes) of process ``pid``.
+
+    ``fds`` leaves out the descriptors of the cursor store file ``store``
+    (with its -wal and -shm), counted in ``store_fds``.
+    """
     status = Path(f"/proc/{pid}/status").read_text().splitlines()
     fields = {key: value.split() for key, _, value in (line.partition(":") for line in status)}
-    fds = sockets = 0
+    store_files = {os.path.realpath(store) + suffix for suffix in ("", "-wal", "-shm")} if store else set()
+    fds = store_fds = sockets = 0
     for fd in os.listdir(f"/proc/{pid}/fd"):
         try:
             target = os.readlink(f"/proc/{pid}/fd/{fd}")
         except OSError:
             continue  # closed while we looked
+        if target in store_files:
+            store_fds += 1
+            continue
         fds += 1
         sockets += target.startswith("socket:")
     return {
         "threads": int(fields["Threads"][0]),
         "fds": fds,
+        "store_fds": store_fds,
         "sockets": sockets,
         "rss": int(fields["VmRSS"][0]) * 1024,
     }
@@ -103,8 +116,9 @@ def process_stats(pid: int) -> dict[str, int]:
 class _Sampler:
     """Samples ``process_stats`` every SAMPLE_S on a thread; ``peak`` of a phase, ``last`` now."""
 
-    def __init__(self, pid: int) -> None:
+    def __init__(self, pid: int, store: Path) -> None:
         self.pid = pid
+        self.store = store
         self.phase = "before"
         self.peaks: dict[str, dict[str, int]] = {}
         self._stop = threading.Event()
@@ -119,7 +133,7 @@ class _Sampler:
                 return
 
     def sample(self) -> dict[str, int]:
-        stats = process_stats(self.pid)
+        stats = process_stats(self.pid, self.store)
         peak = self.peaks.setdefault(self.phase, dict(stats))
         for key, value in stats.items():
             peak[key] = max(peak[key], value)
@@ -265,7 +279,7 @@ def run_soak(dataset: Path, workdir: Path, settings: SoakSettings) -> dict[str, 
         processes.append(trainer)
         _wait(lambda: count.value > 0, 60, "the trainer received no batch")
         time.sleep(settings.warmup_s)
-        sampler = _Sampler(server.proc.pid)
+        sampler = _Sampler(server.proc.pid, server.state)
         before_stats = sampler.sample()
         before_bps, before_cpu = _rate(count, settings.window_s, server.proc.pid)
 
@@ -347,7 +361,7 @@ def run_soak(dataset: Path, workdir: Path, settings: SoakSettings) -> dict[str, 
                 "after": _unit(key, after_stats[key]),
                 "end": _unit(key, end_stats[key]),
             }
-            for key in ("threads", "fds", "sockets", "rss")
+            for key in ("threads", "fds", "store_fds", "sockets", "rss")
         },
         "settled": settled,
         "settle_s": round(settle_s, 1),
@@ -426,7 +440,7 @@ def summary(results: dict[str, Any]) -> list[str]:
         f"({cpu['server_cores']['during']} cores vs {cpu['server_cores']['before']}); the crowd's own "
         f"process used {cpu['crowd_cores_during']} cores of this machine's {os.cpu_count()}",
         f"soak: server (before -> peak during -> after -> after the last window) threads {trio('threads')}, "
-        f"fds {trio('fds')}, "
+        f"fds {trio('fds')} (and the cursor store's {trio('store_fds')}), "
         f"RSS {trio('rss')} MiB ({'settled' if results['settled'] else 'NOT settled'} "
         f"in {results['settle_s']}s)",
     ]

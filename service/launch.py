@@ -43,6 +43,7 @@ class ServeProcess:
         self.log = self.workdir / "server.log"
         self.grace = grace
         ready, http_ready, state = (self.workdir / name for name in ("ready", "http", "state.db"))
+        self.state = state  # the embedded cursor store's file
         for stale in (ready, http_ready, state):
             stale.unlink(missing_ok=True)
         cmd = [

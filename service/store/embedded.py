@@ -7,7 +7,8 @@ thousands of operations a second on one disk, far above what trainers
 acknowledge) and the file must be on a local filesystem (WAL needs shared
 memory, so NFS and similar mounts are not supported).
 
-Each transaction has a connection of its own (from a small pool), so reads see
+Each transaction has a connection of its own (from a pool that keeps at most
+``POOL_IDLE`` idle ones, two file descriptors each), so reads see
 a WAL snapshot and never wait for a writer, even one stuck behind another
 process's write lock, and each write waits about the busy timeout at most,
 however many others wait with it. A store opened ``read_only`` never writes the file
@@ -62,12 +63,15 @@ from .base import (
     resize_start,
 )
 
-__all__ = ["SCHEMA_VERSION", "EmbeddedStore"]
+__all__ = ["POOL_IDLE", "SCHEMA_VERSION", "EmbeddedStore"]
 
 log = logging.getLogger("ladle.server")
 
 # Stored in PRAGMA user_version; bump with a migration in ``_migrate``.
 SCHEMA_VERSION: Final = 3
+# Idle connections kept for the next transactions; more open while more threads
+# read at once, and close when they come back (the database file and its -wal each).
+POOL_IDLE: Final = 4
 
 _SCHEMA: Final = (
     """
@@ -442,7 +446,7 @@ class EmbeddedStore(CursorStore):
     def _checkin(self, db: sqlite3.Connection | None, *, reusable: bool) -> None:
         with self._lock:
             self._in_use -= 1
-            if db is not None and reusable and not self._closed:
+            if db is not None and reusable and not self._closed and len(self._idle) < POOL_IDLE:
                 self._idle.append(db)
             elif db is not None:
                 db.close()

@@ -56,5 +56,8 @@ def test_server_holds_a_crowd_and_returns_to_its_baseline(small_dataset: Path, t
 
     assert s["threads"]["after"] <= s["threads"]["before"] + 2, f"threads leaked\n{report}"
     assert s["fds"]["after"] <= s["fds"]["before"] + 2, f"file descriptors leaked\n{report}"
+    # two per pooled SQLite connection at most, one connection per thread reading at once
+    store_bound = 2 * s["threads"]["peak_during"] + 1
+    assert s["store_fds"]["after"] <= store_bound, f"store connections leaked\n{report}"
     assert s["rss"]["after"] <= s["rss"]["before"] * 1.10 + 16, f"memory did not come back\n{report}"
     assert got["settled"], report

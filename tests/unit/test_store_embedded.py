@@ -23,7 +23,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 import pytest
@@ -42,7 +42,7 @@ from ladle.service.errors import (  # noqa: E402
     WorldSizeMismatchError,
 )
 from ladle.service.store import Clock, CursorStore, EmbeddedStore, JobSpec, Position  # noqa: E402
-from ladle.service.store.embedded import SCHEMA_VERSION  # noqa: E402
+from ladle.service.store.embedded import POOL_IDLE, SCHEMA_VERSION  # noqa: E402
 from tests.contract.store_contract import SPEC, MakeStore, ManualClock, StoreContract, StoreFactory  # noqa: E402
 from tests.support.timing import timed  # noqa: E402
 
@@ -461,6 +461,56 @@ def test_short_lived_threads_leave_no_connections_open(tmp_path: Path) -> None:
             thread.start()
             thread.join(timeout=30)
         assert len(list(fds.iterdir())) <= before + 3, "a connection was left open per thread"
+
+
+def test_bursts_of_reads_leave_pool_idle_connections_and_no_growing_descriptors(tmp_path: Path) -> None:
+    """Reads at once each get a connection; ``POOL_IDLE`` stay open after, and bursts do not add up.
+
+    SQLite keeps a closed connection's database-file descriptor while other
+    connections of the process hold the file's locks, and reuses it for the
+    next connection: so the file's descriptors stay at the largest burst, and
+    the ``-wal`` ones (one per open connection) count the connections.
+    """
+    proc_fds = Path("/proc/self/fd")
+    if not proc_fds.is_dir():
+        pytest.skip("needs /proc/self/fd")
+    db_file = str((tmp_path / DB).resolve())
+    readers = POOL_IDLE + 4
+
+    def descriptors() -> tuple[int, int]:  # of the database file, of its -wal
+        targets = []
+        for fd in proc_fds.iterdir():
+            with suppress(OSError):  # closed while we looked
+                targets.append(os.readlink(fd))
+        return targets.count(db_file), targets.count(db_file + "-wal")
+
+    peaks: list[tuple[int, int]] = []
+    together = threading.Barrier(readers, action=lambda: peaks.append(descriptors()), timeout=30)
+    burst, waited = threading.Event(), threading.local()
+
+    def clock() -> float:  # read inside each read's transaction: holds the readers there together
+        if burst.is_set() and not getattr(waited, "done", False):
+            waited.done = True
+            together.wait()
+        return time.time()
+
+    with EmbeddedStore(tmp_path / DB, clock=clock) as store:
+        store.open_job(SPEC)
+        burst.set()
+        seen: list[int] = []
+        for _ in range(3):
+            seen.clear()
+            threads = [
+                threading.Thread(target=lambda: seen.append(len(store.list_jobs()))) for _ in range(readers)
+            ]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join(timeout=60)
+            assert seen == [1] * readers, "a reader failed"
+            assert peaks[-1] == (readers, readers), f"the readers did not each hold a connection: {peaks}"
+            assert descriptors() == (readers, POOL_IDLE), "idle connections beyond POOL_IDLE were kept"
+    assert descriptors() == (0, 0), "close() left descriptors open"
 
 
 # --- paths that are not a regular file ----------------------------------------
