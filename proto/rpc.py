@@ -23,6 +23,7 @@ __all__ = [
     "SERVICE",
     "STREAM_METHOD",
     "BatchServiceClient",
+    "abort",
     "batch_service_handler",
     "error_details",
     "error_trailer",
@@ -120,6 +121,13 @@ def message_options(max_frame_bytes: int) -> list[tuple[str, int]]:
 def error_trailer(error: pb.Error) -> tuple[tuple[str, bytes], ...]:
     """Trailing metadata carrying ``error``; pass to ``context.set_trailing_metadata``."""
     return ((ERROR_TRAILER, error.SerializeToString()),)
+
+
+async def abort(context: Any, code: Any, reason: str, message: str, field: str = "") -> None:
+    """End a grpc.aio call with status ``code`` and a ``ladle.v1.Error`` trailer (never returns)."""
+    error = pb.Error(code=code.name, reason=reason, message=message, field=field)
+    context.set_trailing_metadata(error_trailer(error))
+    await context.abort(code, message)
 
 
 def error_details(trailing_metadata: Iterable[tuple[str, str | bytes]] | None) -> pb.Error | None:

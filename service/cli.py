@@ -384,8 +384,8 @@ def _add_limit_options(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=d.handshake_timeout_s,
         metavar="SECONDS",
-        help=f"close a connection that has not finished its HTTP/2 (or TLS) handshake by then "
-        f"(default: {d.handshake_timeout_s:.0f})",
+        help=f"close a connection that has not finished its HTTP/2 (or TLS) handshake by then, and end a "
+        f"call that has not sent its first request (default: {d.handshake_timeout_s:.0f})",
     )
     group.add_argument(
         "--spare-schedules",

@@ -7,6 +7,7 @@ request is always a typed, explained refusal and never a crash.
 
 from __future__ import annotations
 
+import re
 from typing import ClassVar
 
 __all__ = [
@@ -35,7 +36,17 @@ __all__ = [
     "UnreadableFileError",
     "WorldSizeMismatchError",
     "ZeroLengthRowsError",
+    "reason_of",
 ]
+
+
+def reason_of(exc: BaseException) -> str:
+    """``exc``'s name for programs: its ``reason``, else its class name in snake case ("dataset_changed")."""
+    given = getattr(exc, "reason", "")
+    if given:
+        return str(given)
+    name = type(exc).__name__
+    return re.sub(r"(?<!^)(?=[A-Z])", "_", name.removesuffix("Error") or name).lower()
 
 
 class LadleError(Exception):
@@ -43,19 +54,22 @@ class LadleError(Exception):
 
     ``kind`` names the class of failure in gRPC's vocabulary
     (``invalid_argument``, ``not_found``, ``failed_precondition``...), so the
-    gRPC servicer and the HTTP app map it in one place.
+    gRPC servicer and the HTTP app map it in one place. ``reason`` is its
+    name for programs (``ladle.v1.Error.reason``, see ``reason_of``).
     """
 
     kind: ClassVar[str] = "internal"
+    reason: str = ""
 
 
 class ConfigError(LadleError, ValueError):
-    """A schedule or server option is invalid; ``field`` names it."""
+    """A schedule or server option is invalid; ``field`` names it (reason ``bad_<field>``)."""
 
     kind = "invalid_argument"
 
     def __init__(self, field: str, message: str) -> None:
         self.field = field
+        self.reason = f"bad_{field}"
         super().__init__(f"{field}: {message}")
 
 
@@ -228,6 +242,7 @@ class JobNotFoundError(StoreError):
     """No job of this name is in the store (it was never opened, or was deleted)."""
 
     kind = "not_found"
+    reason = "unknown_job"
 
     def __init__(self, job: str) -> None:
         self.job = job
@@ -243,6 +258,8 @@ class JobMismatchError(StoreError):
     ``differences`` holds ``(field, stored, given)`` triples, in the order
     ``dataset_fingerprint``, ``config_fingerprint``.
     """
+
+    reason = "config_mismatch"
 
     def __init__(self, job: str, differences: tuple[tuple[str, str, str], ...]) -> None:
         self.job = job
@@ -278,11 +295,13 @@ class CheckpointMismatchError(StoreError):
 class CheckpointPositionError(CheckpointMismatchError):
     """A loaded checkpoint's position is not the job's (a step past its epoch's end): a bad argument."""
 
-    kind = "invalid_argument"
+    kind = "invalid_argument"  # reason: schedule_mismatch, as BatchClient reads it (a StateDictError)
 
 
 class WorldSizeMismatchError(StoreError):
     """A job's stored world size differs from the one a server or trainer gave."""
+
+    reason = "world_size_mismatch"
 
     def __init__(self, job: str, stored: int, given: int) -> None:
         self.job = job
@@ -305,6 +324,8 @@ class FencedError(StoreError):
     and this one was fenced off. ``generation > current``: the store has lost
     writes it once acknowledged (its state is older than the trainer's).
     """
+
+    reason = "fenced"
 
     def __init__(self, job: str, rank: int, generation: int, current: int) -> None:
         self.job = job

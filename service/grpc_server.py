@@ -43,12 +43,13 @@ from .errors import (
     JobNotFoundError,
     LadleError,
     StoreUnavailableError,
+    reason_of,
 )
 from .jobs import Job, JobRegistry
 from .limits import Limits
 from .metrics import ServerMetrics, StreamMeter
 from .schedule import Schedule
-from .store.base import Position, RankState
+from .store.base import MAX_INDEX, Position, RankState
 
 __all__ = ["ACK_FLUSH_SECONDS", "STORE_WRITERS", "BatchServicer", "StreamAbortedError", "status_of"]
 
@@ -62,10 +63,16 @@ ALIGNED_START_S = 120.0
 ACK_FLUSH_SECONDS = 0.05
 # Threads that write streams' cursors to the store (each stream has at most one write in flight).
 STORE_WRITERS = 16
+# Threads that answer Describe (store reads, schedule builds): apart from the Opens' threads, so a
+# crowd of Describes never queues ahead of a trainer's Open
+DESCRIBERS = 2
 # A stream that ended with its last acknowledged position unwritten (the store did not answer) has
 # it written when the store answers again: tried this long, at most LATE_WRITE_MAX_DELAY_S apart.
 LATE_WRITE_S = 600.0
 LATE_WRITE_MAX_DELAY_S = 5.0
+# A reconnecting client's Resume.generation at most: one generation is issued per stream opened, and a
+# larger claim would be stored (the store lost writes) and leave too few generations for later joins
+RESUME_GENERATION_LIMIT = 2**32
 # Longest error message sent back: the status details and the trailer both carry it, and
 # a client refuses response headers and trailers over 16 KiB or so.
 _MAX_MESSAGE_CHARS = 2000
@@ -74,6 +81,7 @@ _STATUS = {
     "invalid_argument": grpc.StatusCode.INVALID_ARGUMENT,
     "failed_precondition": grpc.StatusCode.FAILED_PRECONDITION,
     "not_found": grpc.StatusCode.NOT_FOUND,
+    "deadline_exceeded": grpc.StatusCode.DEADLINE_EXCEEDED,
     "unavailable": grpc.StatusCode.UNAVAILABLE,
     "unauthenticated": grpc.StatusCode.UNAUTHENTICATED,
     "resource_exhausted": grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -101,14 +109,12 @@ class StreamAbortedError(LadleError):
 async def _abort(context: Any, exc: BaseException) -> None:
     """End the call with the status of ``exc`` and a ``ladle.v1.Error`` trailer (never returns)."""
     code = status_of(exc)
-    reason = getattr(exc, "reason", type(exc).__name__)
+    reason = reason_of(exc)
     field = getattr(exc, "field", "") or ""
     message = str(exc) if isinstance(exc, LadleError) else f"internal error: {type(exc).__name__}"
     if len(message) > _MAX_MESSAGE_CHARS:  # it may quote what the client sent (a 60 KB job name)
         message = message[:_MAX_MESSAGE_CHARS] + "... (cut)"
-    error = pb.Error(code=code.name, reason=str(reason)[:200], message=message, field=str(field)[:200])
-    context.set_trailing_metadata(rpc.error_trailer(error))
-    await context.abort(code, message)
+    await rpc.abort(context, code, str(reason)[:200], message, str(field)[:200])
 
 
 def _why(failure: BaseException | None) -> str:
@@ -124,6 +130,14 @@ def _gone(exc: BaseException) -> str:
     """What a failed write raised, in a few words (grpc's ExecuteBatchError names only its operation)."""
     name = type(exc).__name__
     return "the trainer went away" if name == "ExecuteBatchError" else f"{name}: {exc}"
+
+
+def _printable(text: str, most: int = 200) -> str:
+    """Free text a client sent (``Open.client_id``) as it goes in one log line: escaped, cut at ``most``."""
+    cut = text[:most]
+    if not cut.isprintable():  # a newline would start a forged log line
+        cut = cut.encode("unicode_escape").decode("ascii")
+    return cut + (f"... ({len(text)} characters)" if len(text) > most else "")
 
 
 def _malformed(exc: DecodeError) -> StreamAbortedError:
@@ -168,6 +182,19 @@ class _Session:
         self.failure: BaseException | None = None
         self.requests_done = False
         self.replaced = False
+
+    def grant(self, n: int, field: str) -> None:
+        """The client returned ``n`` credits; more than the batches in flight is INVALID_ARGUMENT."""
+        if self.credits + n > self.window:
+            raise StreamAbortedError(
+                "invalid_argument",
+                "bad_credit",
+                f"{field} {n} returns more credits than batches in flight ({self.window - self.credits}; "
+                f"the window is Open.prefetch = {self.window}): return one per batch consumed",
+                field,
+            )
+        self.credits += n
+        self.wake.set()
 
     def fail(self, exc: BaseException) -> None:
         if self.failure is None:
@@ -387,6 +414,7 @@ class BatchServicer:
         self._aligned_lock = threading.Lock()  # Opens run on threads of their own
         # the streams' cursor writes: off the event loop, so a store that hangs stops no batch
         self.store_executor = ThreadPoolExecutor(STORE_WRITERS, thread_name_prefix="ladle-store")
+        self.describe_executor = ThreadPoolExecutor(DESCRIBERS, thread_name_prefix="ladle-describe")
         # (job, rank) -> the retry of a position an ended stream could not write (on the event loop)
         self._late_writes: dict[tuple[str, int], tuple[Position, asyncio.Task[None]]] = {}
         # (job, rank) -> an ended stream whose last write is still in flight
@@ -409,6 +437,7 @@ class BatchServicer:
     def close(self) -> None:
         """Let the cursor writes still queued run, without waiting for them (after the server stopped)."""
         self.store_executor.shutdown(wait=False)
+        self.describe_executor.shutdown(wait=False)
 
     def abandon_late_writes(self) -> None:
         """Stop retrying the positions ended streams could not write, naming each (on the event loop)."""
@@ -516,8 +545,11 @@ class BatchServicer:
             # the store and a schedule build may take a while: off the event loop
             epoch = request.epoch if request.HasField("epoch") else None
             rank = request.rank if request.HasField("rank") else None
-            job, epoch, sched = await asyncio.to_thread(
-                self._describe, request.job, request.world_size, epoch, rank, request.own_cursor
+            job, epoch, sched = await asyncio.get_running_loop().run_in_executor(
+                self.describe_executor,
+                functools.partial(
+                    self._describe, request.job, request.world_size, epoch, rank, request.own_cursor
+                ),
             )
             return pb.JobInfo(
                 job=job.name,
@@ -546,9 +578,18 @@ class BatchServicer:
         checkpoint (as ``_open`` starts it, with nothing joined). A job the store
         does not hold is ``JobNotFoundError`` unless ``world_size`` is given:
         then it is the job a trainer of that world size would create, built
-        here and stored nowhere. An epoch other than the job's own is built as
-        an inspection is (``ScheduleBusyError`` when too many builds run).
+        here and stored nowhere, as an inspection builds (``ScheduleBusyError``
+        when too many builds run: nothing a stream uses, so anyone asking for
+        many world sizes holds no more schedules than the spare ones). An epoch
+        other than the job's own is built the same way. ``ConfigError`` for
+        an epoch or rank no Open would take (a rank is checked against the
+        ``world_size`` asked for: an elastic restart's new rank may be beyond
+        the stored job's).
         """
+        if epoch is not None and epoch > MAX_INDEX:
+            raise ConfigError("epoch", f"must be in 0..{MAX_INDEX}, got {epoch}")
+        if rank is not None and world_size and rank >= world_size:
+            raise ConfigError("rank", f"{rank} is outside 0..{world_size - 1} (world_size={world_size})")
         try:
             job = self.registry.get(name)
             if job is None:
@@ -559,7 +600,7 @@ class BatchServicer:
                 raise
             job = self.registry.unstored(name, world_size)
             at = 0 if epoch is None else epoch
-            return job, at, job.schedule(at, hot=at == 0)
+            return job, at, job.schedule(at)
         current = min(r.position.epoch for r in state.ranks) if state.ranks else 0
         at = current if epoch is None else epoch
         mine = next((r for r in state.ranks if r.rank == rank), None) if epoch is None else None
@@ -585,8 +626,16 @@ class BatchServicer:
         here, both reach this coroutine's ``finally``.
         """
         try:
+            wait = self.limits.handshake_timeout_s
             try:
-                first = await requests.__anext__()
+                # a call that sends nothing holds one of grpc's concurrent-call slots while it waits
+                first = await asyncio.wait_for(requests.__anext__(), wait)
+            except TimeoutError:
+                raise StreamAbortedError(
+                    "deadline_exceeded",
+                    "no_open",
+                    f"the stream sent no Open within {wait:g} s of opening (ladle serve --handshake-timeout)",
+                ) from None
             except StopAsyncIteration:
                 raise StreamAbortedError(
                     "invalid_argument", "no_open", "the stream closed before its Open"
@@ -607,7 +656,7 @@ class BatchServicer:
                         o.job,
                         o.rank,
                         o.world_size,
-                        o.client_id or "-",
+                        _printable(o.client_id) or "-",
                         exc,
                     )
                 raise
@@ -727,8 +776,11 @@ class BatchServicer:
                 "invalid_argument", "bad_world_size", "Open.world_size must be >= 1", "open.world_size"
             )
         if o.rank >= o.world_size:
-            raise ConfigError(
-                "rank", f"{o.rank} is outside 0..{o.world_size - 1} (world_size={o.world_size})"
+            raise StreamAbortedError(
+                "invalid_argument",
+                "bad_rank",
+                f"rank: {o.rank} is outside 0..{o.world_size - 1} (world_size={o.world_size})",
+                "open.rank",
             )
         if not 1 <= o.prefetch <= self.max_prefetch:
             self.metrics.refused("max_prefetch")
@@ -738,6 +790,14 @@ class BatchServicer:
                 f"Open.prefetch must be in 1..{self.max_prefetch} on this server "
                 f"(ladle serve --max-prefetch), got {o.prefetch}",
                 "open.prefetch",
+            )
+        if o.HasField("resume") and o.resume.generation >= RESUME_GENERATION_LIMIT:
+            raise StreamAbortedError(
+                "invalid_argument",
+                "bad_resume",
+                f"Open.resume.generation must be below {RESUME_GENERATION_LIMIT} (the generation of the "
+                f"client's last StreamStart), got {o.resume.generation}",
+                "open.resume.generation",
             )
         if self._stopping:
             raise StreamAbortedError("unavailable", "shutting_down", "the batch server is shutting down")
@@ -820,7 +880,7 @@ class BatchServicer:
             o.world_size,
             joined.generation,
             start,
-            o.client_id or "-",
+            _printable(o.client_id) or "-",
         )
         session = _Session(
             job, o.rank, joined.generation, start, o.prefetch, self.ack_flush_s, self.store_executor
@@ -933,8 +993,7 @@ class BatchServicer:
             async for request in requests:
                 kind = request.WhichOneof("kind")
                 if kind == "credit":
-                    session.credits += request.credit.n
-                    session.wake.set()
+                    session.grant(request.credit.n, "credit.n")
                 elif kind == "ack":
                     given = Position(request.ack.through.epoch, request.ack.through.step)
                     # checked before normalising: this runs on the event loop, and an epoch the
@@ -949,10 +1008,9 @@ class BatchServicer:
                             f"Ack through {given} is beyond the last batch sent ({session.sent})",
                             "ack",
                         )
-                    session.acked = max(session.acked, through)
+                    session.acked = max(session.acked, through)  # an earlier or repeated Ack changes nothing
                     if request.ack.credit:
-                        session.credits += request.ack.credit
-                        session.wake.set()
+                        session.grant(request.ack.credit, "ack.credit")
                     session.flush()
                 else:
                     raise StreamAbortedError(

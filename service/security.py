@@ -29,7 +29,6 @@ from typing import Any, Final
 
 import grpc
 
-from ladle.proto import ladle_pb2 as pb
 from ladle.proto import rpc
 
 from .errors import ConfigError, LadleError
@@ -189,18 +188,14 @@ class TokenInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
 def _refusal(handler: Any, exc: AuthenticationError) -> Any:
     """A handler shaped like ``handler`` that ends the call with UNAUTHENTICATED and a ladle error trailer."""
 
-    async def refuse(request: Any, context: Any) -> None:
-        error = pb.Error(code="UNAUTHENTICATED", reason="unauthenticated", message=str(exc))
-        context.set_trailing_metadata(rpc.error_trailer(error))
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, str(exc))
+    async def refuse(requests: Any, context: Any) -> None:
+        await rpc.abort(context, grpc.StatusCode.UNAUTHENTICATED, "unauthenticated", str(exc))
 
-    if handler.request_streaming and handler.response_streaming:
-        return grpc.stream_stream_rpc_method_handler(refuse)
-    if handler.request_streaming:
-        return grpc.stream_unary_rpc_method_handler(refuse)
+    # request-streaming whatever the method: grpc.aio runs it at once, where a unary-request
+    # handler would first wait for the request (a slot held by a caller with no token)
     if handler.response_streaming:
-        return grpc.unary_stream_rpc_method_handler(refuse)
-    return grpc.unary_unary_rpc_method_handler(refuse)
+        return grpc.stream_stream_rpc_method_handler(refuse)
+    return grpc.stream_unary_rpc_method_handler(refuse)
 
 
 @dataclass(frozen=True)

@@ -35,6 +35,7 @@ from ladle.proto import rpc
 from .assemble import Assembler
 from .dataset import open_dataset
 from .errors import ConfigError, StoreUnavailableError
+from .first_request import FirstRequestInterceptor
 from .grpc_server import ACK_FLUSH_SECONDS, BatchServicer
 from .jobs import JobRegistry
 from .limits import Limits
@@ -199,7 +200,8 @@ class BatchServer:
         # taken port would bind it silently and the kernel would spread trainers over
         # both; without it the second server fails to start instead.
         options = [*self.limits.grpc_options(self._servicer.max_frame_bytes), ("grpc.so_reuseport", 0)]
-        interceptors = []
+        # unary-request calls read their request within the handshake timeout, and parse it here
+        interceptors: list[Any] = [FirstRequestInterceptor(self.limits.handshake_timeout_s)]
         if self.token is not None:
             metrics = self.metrics
             interceptors.append(

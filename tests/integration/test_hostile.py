@@ -121,7 +121,8 @@ HUGE_ACK = pb.StreamRequest(
     ack=pb.Ack(through=pb.Position(epoch=2**64 - 1, step=1), credit=1)
 ).SerializeToString()
 GOOD = {"rank": 0, "world_size": 1, "prefetch": 2}
-MANY_CREDITS = pb.StreamRequest(credit=pb.Credit(n=500)).SerializeToString()  # past epoch 0
+WIDE = {"rank": 0, "world_size": 1, "prefetch": 64}
+CREDIT_64 = pb.StreamRequest(credit=pb.Credit(n=64)).SerializeToString()
 FAR_ACK = pb.StreamRequest(ack=pb.Ack(through=pb.Position(epoch=0, step=10**12))).SerializeToString()
 PAUSE = b""  # not sent: the client waits a second (the server sends what the credits allow)
 BAD_REQUESTS: dict[str, tuple[list[bytes], set[str]]] = {
@@ -160,10 +161,46 @@ BAD_REQUESTS: dict[str, tuple[list[bytes], set[str]]] = {
         [open_bytes(job="hostile-far-start", start=pb.Position(epoch=0, step=10**12), **GOOD)],
         {"INVALID_ARGUMENT"},
     ),
-    "an ack a trillion steps into an epoch already sent": (
-        [open_bytes(job="hostile-far-ack", **GOOD), MANY_CREDITS, PAUSE, FAR_ACK],
+    "an ack a trillion steps into an epoch already sent": (  # 3 x 64 batches: past epoch 0's 147
+        [open_bytes(job="hostile-far-ack", **WIDE), PAUSE, CREDIT_64, PAUSE, CREDIT_64, PAUSE, FAR_ACK],
         {"INVALID_ARGUMENT"},
     ),
+    "a credit beyond the window": (
+        [
+            open_bytes(job="hostile-credit", **GOOD),
+            PAUSE,
+            pb.StreamRequest(credit=pb.Credit(n=3)).SerializeToString(),
+        ],
+        {"INVALID_ARGUMENT"},
+    ),
+    "an ack whose credit is beyond the window": (
+        [
+            open_bytes(job="hostile-ack-credit", **GOOD),
+            PAUSE,
+            pb.StreamRequest(ack=pb.Ack(through=pb.Position(epoch=0, step=1), credit=5)).SerializeToString(),
+        ],
+        {"INVALID_ARGUMENT"},
+    ),
+    # refused before the join, which would fence the rank's trainer, and not stored: a generation
+    # near the store's largest left the rank unable to join again
+    "a resume generation of 2**64-1": (
+        [open_bytes(job="hostile-resume", resume=pb.Resume(generation=2**64 - 1, incarnation="x"), **GOOD)],
+        {"INVALID_ARGUMENT"},
+    ),
+    "a resume generation of 2**53-2": (
+        [open_bytes(job="hostile-resume", resume=pb.Resume(generation=2**53 - 2, incarnation="x"), **GOOD)],
+        {"INVALID_ARGUMENT"},
+    ),
+}
+# the reason named in the error trailer, where it says which rule the request broke
+REASONS = {
+    "huge rank": "bad_rank",
+    "world size 0": "bad_world_size",
+    "an ack a trillion steps into an epoch already sent": "bad_step",
+    "a credit beyond the window": "bad_credit",
+    "an ack whose credit is beyond the window": "bad_credit",
+    "a resume generation of 2**64-1": "bad_resume",
+    "a resume generation of 2**53-2": "bad_resume",
 }
 
 
@@ -193,33 +230,96 @@ def test_malformed_and_absurd_stream_requests(module_server: ServerProcess, smal
             if error.code().name == "INVALID_ARGUMENT":
                 assert details is not None, f"{name}: no ladle error trailer"
                 assert details.message, f"{name}: the trailer explains nothing"
+                assert details.reason == REASONS.get(name, details.reason), f"{name}: {details}"
     assert "Unexpected" not in whole_log(module_server), "grpc logged a servicer crash"
     serves_a_trainer(module_server, small_dataset, "after-bad-requests")
+
+
+def refused_open(server: ServerProcess, **fields: Any) -> pb.Error:
+    """Send one Open (raw) and return the ladle error it was refused with."""
+    with grpc.insecure_channel(server.address) as channel:
+        call = channel.stream_stream(rpc.STREAM_METHOD, request_serializer=None, response_deserializer=None)
+        with pytest.raises(grpc.RpcError) as info:
+            drain_frames(call(iter([open_bytes(**fields)]), timeout=30))
+    details = rpc.error_details(info.value.trailing_metadata())
+    assert details is not None, info.value
+    return details
+
+
+def test_a_refused_open_for_a_running_rank_does_not_fence_its_trainer(
+    module_server: ServerProcess, small_dataset: Path
+) -> None:
+    """Checked before the join: a refused Open (here an absurd Resume) leaves the rank's trainer streaming."""
+    job = "hostile-resume-victim"
+    with BatchClient(0, 1, module_server.address, job, timeout=60) as client:
+        batches = iter(client)
+        got = [next(batches) for _ in range(3)]
+        for generation in (2**64 - 1, 2**53 - 2, 2**32):
+            error = refused_open(
+                module_server, job=job, resume=pb.Resume(generation=generation, incarnation="x"), **GOOD
+            )
+            assert (error.code, error.reason) == ("INVALID_ARGUMENT", "bad_resume"), error
+            assert error.field == "open.resume.generation", error
+        steps = [batch.step for batch in got] + [batch.step for batch in batches]
+    assert steps == list(range(len(steps))), "the trainer's epoch was cut or reordered"
+    assert len(steps) == reference(small_dataset, 1).num_steps
+    # and the rank can still join: its generation was not pushed to the store's largest
+    serves_a_trainer(module_server, small_dataset, job + "-again")
+    with BatchClient(0, 1, module_server.address, job, timeout=60) as client:
+        next(iter(client))
+
+
+def test_a_client_id_cannot_forge_or_flood_a_log_line(module_server: ServerProcess) -> None:
+    forged = "2026-01-01 00:00:00,000 ERROR ladle.server: forged"
+    for job, client_id in (("hostile-cid-newline", f"evil\n{forged}"), ("hostile-cid-long", "x" * 60_000)):
+        with grpc.insecure_channel(module_server.address) as channel:
+            call = channel.stream_stream(
+                rpc.STREAM_METHOD, request_serializer=None, response_deserializer=None
+            )
+            frames = call(iter([open_bytes(job=job, client_id=client_id, **GOOD)]), timeout=30)
+            next(frames)  # the stream opened (and logged its client)
+            frames.cancel()
+    deadline = time.monotonic() + 10
+    while "client=x" not in whole_log(module_server) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    lines = whole_log(module_server).splitlines()
+    assert not any(line.startswith(forged[:10]) for line in lines), "a client forged a log line"
+    assert any("client=evil\\n2026-01-01" in line for line in lines), "the newline was not escaped"
+    longest = max(len(line) for line in lines)
+    assert longest < 2000, f"a log line of {longest} characters"
 
 
 def test_a_client_that_stops_reading_at_the_transport(
     module_server: ServerProcess, small_dataset: Path
 ) -> None:
-    """Credits for 2**32 batches and no read at all: HTTP/2 flow control holds the server, others go on.
+    """Clients that read nothing at all: credits beyond the window are refused, and with the widest
+    window the server holds ``prefetch`` batches and goes on serving others.
 
     (``test_serving`` covers the BatchClient that stops consuming: the credit window holds it.)
     """
     stop = threading.Event()
 
-    def requests() -> Iterator[pb.StreamRequest]:
-        yield pb.StreamRequest(open=pb.Open(job="never-reads", rank=0, world_size=1, prefetch=4))
-        for _ in range(50):
-            yield pb.StreamRequest(credit=pb.Credit(n=2**32 - 1))
+    def requests(prefetch: int, credits: int) -> Iterator[pb.StreamRequest]:
+        yield pb.StreamRequest(
+            open=pb.Open(job=f"never-reads-{credits}", rank=0, world_size=1, prefetch=prefetch)
+        )
+        for _ in range(50 if credits else 0):
+            yield pb.StreamRequest(credit=pb.Credit(n=credits))
         stop.wait(120)
 
     with grpc.insecure_channel(module_server.address) as channel:
-        call = rpc.BatchServiceClient(channel).stream(requests())  # never iterated: nothing is read
+        greedy = rpc.BatchServiceClient(channel).stream(requests(4, 2**32 - 1))
+        with pytest.raises(grpc.RpcError) as info:
+            drain_frames(greedy)
+        details = rpc.error_details(info.value.trailing_metadata())
+        assert details is not None, info.value
+        assert details.reason == "bad_credit", details
+        call = rpc.BatchServiceClient(channel).stream(requests(64, 0))  # never iterated: nothing is read
         try:
             time.sleep(1.0)
             before = module_server.rss_kib()
             time.sleep(3.0)
             grown = module_server.rss_kib() - before
-            # unbounded, the server would queue thousands of ~15 KB frames a second
             assert grown < 50_000, f"server RSS grew {grown} KiB for a client that reads nothing"
             serves_a_trainer(module_server, small_dataset, "beside-a-stalled-client")
             assert module_server.rss_kib() - before < 50_000, "the stalled stream piled up frames"
@@ -228,9 +328,7 @@ def test_a_client_that_stops_reading_at_the_transport(
             call.cancel()
 
 
-def test_a_trainer_that_goes_away_during_a_send_ends_its_stream_quietly(
-    module_server: ServerProcess,
-) -> None:
+def test_a_trainer_that_goes_away_during_a_send_ends_its_stream_quietly(server_factory: Factory) -> None:
     """A cancel while the server waits on a write: the session is freed at once, no ERROR is logged.
 
     The server used to be an async generator: the failed write landed in grpc's
@@ -238,14 +336,15 @@ def test_a_trainer_that_goes_away_during_a_send_ends_its_stream_quietly(
     left the generator's clean-up to the garbage collector (a churn audit saw a
     session held for minutes).
     """
+    # a window wider than HTTP/2 lets through unread (4096 batches of ~15 KB): the write stalls
+    module_server = server_factory(["--max-prefetch", "4096"])
     logged_before = len(whole_log(module_server))
     for i in range(4):
         job = f"gone-mid-send-{i}"
         stop = threading.Event()
 
         def requests(job: str = job, stop: threading.Event = stop) -> Iterator[pb.StreamRequest]:
-            yield pb.StreamRequest(open=pb.Open(job=job, rank=0, world_size=1, prefetch=4))
-            yield pb.StreamRequest(credit=pb.Credit(n=2**31))  # more than HTTP/2 lets through unread
+            yield pb.StreamRequest(open=pb.Open(job=job, rank=0, world_size=1, prefetch=4096))
             stop.wait(60)
 
         with grpc.insecure_channel(module_server.address) as channel:
@@ -404,7 +503,7 @@ def test_a_dataset_truncated_while_served(
         assert raw.value.code() == grpc.StatusCode.FAILED_PRECONDITION
         details = rpc.error_details(raw.value.trailing_metadata())
         assert details is not None
-        assert details.reason == "DatasetChangedError", details
+        assert details.reason == "dataset_changed", details
         assert str(victim) in details.message
         info_reply = stub.describe("after-truncation", timeout=60)  # requests that read no tokens: answered
         assert info_reply.steps_per_epoch > 0

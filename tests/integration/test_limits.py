@@ -7,6 +7,7 @@ limit can be set low and each test stays short; ``test_soak.py`` runs a real
 
 from __future__ import annotations
 
+import logging
 import select
 import socket
 import threading
@@ -21,6 +22,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from ladle.client import BatchClient, BatchClientError, FencedError
 from ladle.proto import codec, rpc
+from ladle.proto import ladle_pb2 as pb
 from ladle.service.cli import build_parser, limits_from_args, main
 from ladle.service.errors import ConfigError
 from ladle.service.http.server import HttpServer
@@ -41,10 +43,12 @@ Serve = Callable[..., BatchServer]
 def serve(small_dataset: Path, tmp_path: Path) -> Iterator[Serve]:
     started: list[BatchServer] = []
 
-    def start(**limits: Any) -> BatchServer:
+    def start(tokens: tuple[str, ...] = (), **limits: Any) -> BatchServer:
         state = tmp_path / f"state-{len(started)}.db"
         limits_ = Limits(**limits)
-        server = BatchServer(small_dataset, CONFIG, grpc_port=0, state=state, limits=limits_, grace=0)
+        server = BatchServer(
+            small_dataset, CONFIG, grpc_port=0, state=state, limits=limits_, grace=0, tokens=tokens
+        )
         started.append(server)
         return server.start()
 
@@ -145,6 +149,78 @@ def test_a_full_server_still_answers_describe_and_health(serve: Serve) -> None:
         assert rpc.BatchServiceClient(channel).describe("only", timeout=10).job == "only"
     assert refused(server, "other").code == "RESOURCE_EXHAUSTED"
     held.close()
+
+
+def _silent_calls(channel: grpc.Channel, count: int, quiet: threading.Event) -> list[Any]:
+    """``count`` calls that open and send no request until ``quiet`` is set: Streams with no Open,
+    Describes and health checks (called request-streaming: a unary stub sends its request at once)."""
+
+    def nothing() -> Iterator[bytes]:
+        quiet.wait(60)
+        yield from ()
+
+    methods = [
+        channel.stream_stream(rpc.STREAM_METHOD),
+        channel.stream_unary(rpc.DESCRIBE_METHOD),
+        channel.stream_unary("/grpc.health.v1.Health/Check"),
+    ]
+    calls = []
+    for i in range(count):
+        method = methods[i % len(methods)]
+        if i % len(methods) == 0:
+            calls.append(method(nothing(), timeout=60))
+        else:
+            calls.append(method.future(nothing(), timeout=60))
+    return calls
+
+
+def _ending(call: Any) -> tuple[str, str]:
+    """(status code name, ladle reason) a call ended with."""
+    if isinstance(call, grpc.Future):
+        error = call.exception(timeout=60)
+        assert error is not None, "a call that sent nothing was answered"
+    else:
+        with pytest.raises(grpc.RpcError) as info:
+            next(call)
+        error = info.value
+    details = rpc.error_details(error.trailing_metadata())
+    return error.code().name, details.reason if details is not None else ""
+
+
+@pytest.mark.parametrize("token", [False, True])
+def test_calls_that_send_no_request_end_and_lock_nobody_out(serve: Serve, token: bool) -> None:
+    """More silent calls than grpc's call limit: each ends after the handshake timeout (at once when it
+    has no token), so trainers, Describe and health checks still get in."""
+    secret = "s3cret-token-of-the-limits-test"
+    server = serve(max_sessions=1, handshake_timeout_s=1.0, tokens=(secret,) if token else ())
+    count = server.limits.max_concurrent_rpcs + 6
+    quiet = threading.Event()
+    try:
+        with grpc.insecure_channel(server.address) as channel:
+            began = time.monotonic()
+            calls = _silent_calls(channel, count, quiet)
+            endings = {_ending(call) for call in calls}
+            took = time.monotonic() - began
+            if token:
+                # the health service takes no token: its silent checks end at the timeout
+                assert endings == {
+                    ("UNAUTHENTICATED", "unauthenticated"),
+                    ("DEADLINE_EXCEEDED", "no_request"),
+                }, endings
+                assert took < 10, f"calls with no token waited {took:.1f}s for their requests"
+            else:
+                assert endings == {
+                    ("DEADLINE_EXCEEDED", "no_open"),
+                    ("DEADLINE_EXCEEDED", "no_request"),
+                    ("RESOURCE_EXHAUSTED", ""),  # the few beyond grpc's limit, refused at once
+                }, endings
+            check = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+            assert check.status == health_pb2.HealthCheckResponse.SERVING
+    finally:
+        quiet.set()
+    key = secret if token else None
+    with BatchClient(0, 1, server.address, "after-silence", timeout=20, token=key) as client:
+        assert len(list(client)) > 0
 
 
 def test_prefetch_window_is_capped(serve: Serve) -> None:
@@ -421,3 +497,62 @@ def test_spare_schedules_bound_what_the_server_keeps(serve: Serve) -> None:
     assert metric(server, "ladle_schedules_cached") == kept, "an inspected epoch was kept with no spares"
     job.steps(3, hot=True)  # as a stream uses it
     assert metric(server, "ladle_schedules_cached") == kept + 1
+
+
+def test_describes_of_many_world_sizes_keep_no_more_than_the_spare_schedules(serve: Serve) -> None:
+    """A Describe of a job no store holds builds as an inspection does: nothing a stream uses, so a
+    caller asking for world size after world size leaves the spare schedules behind, not one each."""
+    server = serve(spare_schedules=2)
+    with grpc.insecure_channel(server.address) as channel:
+        calls = rpc.BatchServiceClient(channel)
+        for world_size in range(1, 13):  # one at a time: never over the inspection builds' limit
+            info = calls.describe(f"nobody-{world_size}", world_size=world_size, timeout=30)
+            assert info.world_size == world_size
+            assert info.steps_per_epoch > 0
+    cached = metric(server, "ladle_schedules_cached")
+    assert cached <= 2, f"{cached:.0f} schedules kept after Describes of 12 world sizes (2 spare)"
+    with trainer(server, "after-describes", 1, 2) as client:  # a stream's schedule is built and kept
+        drain(client, 3)
+
+
+@pytest.mark.parametrize(
+    ("fields", "words"),
+    [
+        ({"epoch": 2**53}, "epoch: must be in 0..9007199254740991"),
+        ({"epoch": 2**64 - 1}, "epoch: must be in 0..9007199254740991"),
+        ({"world_size": 2, "rank": 2}, "rank: 2 is outside 0..1"),
+        ({"world_size": 1, "rank": 2**32 - 1}, "is outside 0..0"),
+    ],
+)
+def test_describe_refuses_what_open_refuses(serve: Serve, fields: dict[str, int], words: str) -> None:
+    server = serve()
+    with grpc.insecure_channel(server.address) as channel:
+        describe = channel.unary_unary(
+            rpc.DESCRIBE_METHOD, request_serializer=None, response_deserializer=None
+        )
+        request = pb.DescribeRequest(job="described", world_size=fields.get("world_size", 1))
+        if "epoch" in fields:
+            request.epoch = fields["epoch"]
+        if "rank" in fields:
+            request.rank = fields["rank"]
+        with pytest.raises(grpc.RpcError) as info:
+            describe(request.SerializeToString(), timeout=30)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value
+    assert words in (info.value.details() or ""), info.value.details()
+
+
+@pytest.mark.parametrize("method", [rpc.DESCRIBE_METHOD, "/grpc.health.v1.Health/Check"])
+def test_a_request_that_does_not_parse_is_invalid_argument(
+    serve: Serve, method: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """grpc parsed it before the handler: UNKNOWN, and an ERROR with a traceback logged per call."""
+    server = serve()
+    with grpc.insecure_channel(server.address) as channel:
+        call = channel.unary_unary(method, request_serializer=None, response_deserializer=None)
+        with pytest.raises(grpc.RpcError) as info:
+            call(b"\xff\xff\xff\xff", timeout=30)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value
+    details = rpc.error_details(info.value.trailing_metadata())
+    assert details is not None, info.value
+    assert details.reason == "bad_request", details
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
