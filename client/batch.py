@@ -26,6 +26,10 @@ class Batch:
     writing to them in place (``labels[labels == pad] = -100`` on
     ``input_ids`` itself) changes this batch and nothing else, as on a copy.
 
+    ``sample_ids`` (int64, one per row) are the rows' indices in the dataset
+    folder as saved (``datasets.load_from_disk(DIR)[int(i)]``), after any
+    shuffle, select or filter that ran before ``save_to_disk``.
+
     ``attention_mask`` is the one array not on the wire: it is made from
     ``lengths`` the first time it is read (about 10 us for a 49152-token
     batch) and kept, so a trainer that never reads it (one that passes

@@ -19,7 +19,7 @@ from typing import Any, Final, get_args
 from .errors import ConfigError, JobNotFoundError, LadleError
 from .limits import Limits
 from .report import BUCKET_HEADER, bucket_cells
-from .schedule import ScheduleConfig, build_schedule
+from .schedule import ScheduleConfig, build_schedule, cut_samples
 from .schedule.stats import (
     BucketRow,
     LossFigures,
@@ -292,10 +292,11 @@ def _run(args: argparse.Namespace) -> int:
 
             if args.text and args.bucket_bounds is None and not args.config:
                 args.bucket_bounds = "auto"  # the production bounds do not fit real text; fit edges to it
+            if args.dataset_path is not None and (args.dataset is not None or args.text):
+                raise ConfigError("dataset", "give one of DATASET, --dataset and --text")
             config = config_from_args(args)
-            return run_demo(
-                args.dataset, args.world_size, config, args.rows, args.keep, args.text, args.split
-            )
+            dataset = args.dataset if args.dataset is not None else args.dataset_path
+            return run_demo(dataset, args.world_size, config, args.rows, args.keep, args.text, args.split)
     except LadleError as exc:
         print(f"ladle: error: {exc}", file=sys.stderr)
         return 2
@@ -816,9 +817,11 @@ def _plan(args: argparse.Namespace) -> int:
             epoch=args.epoch,
             world_size=args.world_size,
         )
+    cut = cut_samples(ds.lengths, config)
     if args.json:
         doc = summary(sched)
         doc["dataset"] = {"path": ds.path, "rows": ds.num_rows, "fingerprint": ds.fingerprint}
+        doc["cut"] = {"samples": cut.samples, "tokens_cut": cut.tokens_cut, "tokens": cut.tokens}
         if baseline is not None and args.compare == "random":
             doc["compare"] = {"random": summary(baseline)}
         if args.simulate_loss and baseline is not None:
@@ -840,6 +843,8 @@ def _plan(args: argparse.Namespace) -> int:
     q = quality(sched)
     qb = quality(baseline) if baseline is not None and args.compare == "random" else None
     print(format_quality(q, qb))
+    if cut:
+        print(f"\nnote: {cut.sentence()}")
     if args.simulate_loss and baseline is not None:
         print()
         print(format_loss(simulate_loss(sched), simulate_loss(baseline)))

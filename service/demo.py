@@ -24,7 +24,7 @@ from typing import Any, get_args
 import numpy as np
 
 from .launch import ServeProcess, ServerStartError
-from .schedule import ScheduleConfig, build_schedule
+from .schedule import ScheduleConfig, build_schedule, cut_samples
 from .schedule.stats import longest_runs, quality
 from .text import Split
 
@@ -121,6 +121,9 @@ def _serve_and_train(
 
     ds = open_dataset(dataset)
     sched = build_schedule(ds.lengths, config, epoch=0, world_size=world_size)
+    cut = cut_samples(ds.lengths, config)
+    if cut:
+        print(f"note: {cut.sentence()}")
     (work / "ladle.toml").write_text(config.to_toml())
     try:
         server = ServeProcess(dataset, work, config=work / "ladle.toml")
@@ -208,6 +211,9 @@ def _summary(
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "dataset_path", nargs="?", metavar="DATASET", help="a saved dataset, as ladle plan and serve take it"
+    )
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--dataset", help="a saved dataset (default: data/sample, made if missing)")
     source.add_argument(

@@ -147,9 +147,12 @@ class BatchServer:
         self._readiness = Readiness(dataset, self._store)
         registry = JobRegistry(dataset, self.config, self._store, spare=self.limits.spare_schedules)
         # Build epoch 0 now: a bad config fails at start-up, not on the first trainer.
-        from .schedule import build_schedule
+        from .schedule import build_schedule, cut_samples
 
         build_schedule(dataset.lengths, self.config, epoch=0, world_size=1)
+        cut = cut_samples(dataset.lengths, self.config)
+        if cut:
+            log.warning("dataset %s: %s", self.dataset_path, cut.sentence())
         self._servicer = BatchServicer(
             registry,
             Assembler(dataset),

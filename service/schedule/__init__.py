@@ -11,15 +11,17 @@ Nothing here imports network, store or web code.
 
 from .config import ALGORITHM_VERSION, PRODUCTION_BOUNDS, ScheduleConfig
 from .interleave import run_lower_bound
-from .schedule import Dropped, Schedule, build_schedule, resolve_bounds
+from .schedule import Cut, Dropped, Schedule, build_schedule, cut_samples, resolve_bounds
 
 __all__ = [
     "ALGORITHM_VERSION",
     "PRODUCTION_BOUNDS",
+    "Cut",
     "Dropped",
     "Schedule",
     "ScheduleConfig",
     "build_schedule",
+    "cut_samples",
     "resolve_bounds",
     "run_lower_bound",
 ]

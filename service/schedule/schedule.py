@@ -26,7 +26,7 @@ from .interleave import interleave_1d, interleave_grid
 from .packing import Packed, batch_order, pack
 from .remainder import fit_to_world
 
-__all__ = ["Dropped", "Schedule", "build_schedule", "resolve_bounds"]
+__all__ = ["Cut", "Dropped", "Schedule", "build_schedule", "cut_samples", "resolve_bounds"]
 
 I64 = npt.NDArray[np.int64]
 
@@ -49,6 +49,42 @@ class Dropped:
 
     def __len__(self) -> int:
         return sum(self.counts.values())
+
+
+@dataclass(frozen=True)
+class Cut:
+    """Samples longer than ``max_seq_len`` that ``overlong="truncate"`` serves cut to it (``cut_samples``)."""
+
+    samples: int
+    rows: int
+    tokens_cut: int
+    tokens: int
+    max_seq_len: int
+
+    def __bool__(self) -> bool:
+        return self.samples > 0
+
+    def sentence(self) -> str:
+        """One line saying what is cut and what to do about it."""
+        share = self.tokens_cut / self.tokens if self.tokens else 0.0
+        return (
+            f"{self.samples:,} of {self.rows:,} samples are longer than max_seq_len={self.max_seq_len} and "
+            f"are served cut to it: {self.tokens_cut:,} of {self.tokens:,} tokens ({share:.1%}) are never "
+            "trained on; raise --max-seq-len, or --overlong drop (leave them out) or error (refuse them)"
+        )
+
+
+def cut_samples(lengths: npt.ArrayLike, config: ScheduleConfig) -> Cut:
+    """What ``config`` cuts of samples of ``lengths`` (nothing unless ``overlong="truncate"``)."""
+    lens = _as_lengths(lengths)
+    over = lens[lens > config.max_seq_len] if config.overlong == "truncate" else lens[:0]
+    return Cut(
+        samples=int(over.size),
+        rows=int(lens.size),
+        tokens_cut=int(over.sum(dtype=np.int64)) - int(over.size) * config.max_seq_len,
+        tokens=int(lens.sum(dtype=np.int64)),
+        max_seq_len=config.max_seq_len,
+    )
 
 
 class Schedule:

@@ -77,3 +77,14 @@ def test_a_rank_that_starts_an_epoch_behind_the_others_is_named(server_factory: 
     assert " WARNING ladle.server: job behind rank 1 starts at " in lines[0], lines[0]
     assert "load_state_dict" in lines[0]
     assert "no record of this rank (its first start" in lines[0], "a first start is not told apart"
+
+
+def test_samples_cut_at_max_seq_len_are_named_at_start_up(server_factory: Factory) -> None:
+    server = server_factory(["--max-seq-len", "200", "--bucket-bounds", "0,48,76,108,152,201"])
+    lines = [line for line in server.log_tail().splitlines() if "longer than max_seq_len=200" in line]
+    assert len(lines) == 1, server.log_tail()
+    assert " WARNING ladle.server: " in lines[0], lines[0]
+    assert "are served cut to it" in lines[0], lines[0]
+    assert "--overlong drop" in lines[0], lines[0]
+    quiet = server_factory(["--max-seq-len", "3072", "--bucket-bounds", "0,48,76,108,152,206,3073"])
+    assert "longer than max_seq_len=3072" not in quiet.log_tail()

@@ -263,3 +263,39 @@ def test_health_asks_for_the_batch_service_by_default() -> None:
 
     assert SERVICE_HEALTH == rpc.SERVICE
     assert build_parser().parse_args(["health"]).service == rpc.SERVICE
+
+
+def test_plan_says_what_max_seq_len_cuts(sample: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Truncation loses tokens as a drop loses samples: the plan says how many, in words and in JSON."""
+    from ladle.service.dataset import open_dataset
+
+    lengths = open_dataset(sample).lengths
+    short = ["--max-seq-len", "100", "--bucket-bounds", "0,50,101", "--token-budget", "3072"]
+    over = lengths[lengths > 100]
+    assert over.size, "the sample has no row over 100 tokens"
+    assert main(["plan", str(sample), *short, "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["cut"] == {
+        "samples": int(over.size),
+        "tokens_cut": int(over.sum() - 100 * over.size),
+        "tokens": int(lengths.sum()),
+    }
+    assert main(["plan", str(sample), *short]) == 0
+    out = capsys.readouterr().out
+    assert f"note: {over.size:,} of 3,000 samples are longer than max_seq_len=100" in out, out
+    assert "--overlong drop" in out
+    assert main(["plan", str(sample), *short, "--overlong", "drop"]) == 0
+    out = capsys.readouterr().out
+    assert "note:" not in out
+    assert f"overlong {over.size}" in out, "dropped samples are reported instead"
+    wide = ["--max-seq-len", "3072", "--bucket-bounds", "0,76,206,3073"]
+    assert main(["plan", str(sample), *SMALL, *wide]) == 0
+    assert "note:" not in capsys.readouterr().out, "nothing is cut at 3072"
+
+
+def test_demo_takes_the_dataset_as_plan_and_serve_do(capsys: pytest.CaptureFixture[str]) -> None:
+    from ladle.service.cli import build_parser
+
+    assert build_parser().parse_args(["demo", "some/dir"]).dataset_path == "some/dir"
+    assert main(["demo", "some/dir", "--dataset", "other/dir"]) == 2
+    assert "give one of DATASET, --dataset and --text" in capsys.readouterr().err
