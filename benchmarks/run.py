@@ -21,6 +21,7 @@ from benchmarks import (
     bench_roundtrips,
     bench_schedule,
     bench_serving,
+    bench_shards,
     bench_soak,
     bench_store,
     bench_wire,
@@ -34,6 +35,7 @@ def main(argv: list[str]) -> int:
         "dataset": bench_dataset.bench_make_dataset(1_000_000 if full else 100_000),
         "serving": bench_serving.main(full),
         "assemble": bench_assemble.main(50_000 if full else 20_000),
+        "shards": bench_shards.main(6000, 512),
         "store": bench_store.main(full),
         "roundtrips": bench_roundtrips.main(full),
         "http": bench_http.main(full),
@@ -69,6 +71,13 @@ def main(argv: list[str]) -> int:
             f"streak {case['above_mean_streak']} vs {case['random_above_mean_streak']}",
             file=sys.stderr,
         )
+    shards = results["shards"]
+    print(
+        f"frame a batch: 1 shard {shards['one_shard_us']} us, {shards['shards']} shards "
+        f"{shards['many_shards_us']} us (every file checked, as before: "
+        f"{shards['many_shards_every_file_checked_us']} us)",
+        file=sys.stderr,
+    )
     for line in bench_serving.summary(results["serving"]):
         print(line, file=sys.stderr)
     for line in bench_store.summary(results["store"]):

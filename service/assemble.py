@@ -550,7 +550,7 @@ class Assembler:
         ``encode_batch_pieces``.
         """
         if _build is not None and self._build_kinds is not None:
-            self._check_files()  # before any token page is read
+            self._check_files(np.asarray(rows))  # the files the batch reads, before any of their pages
             try:  # plan, header and copy in one call: no Python between them
                 data, real_tokens, count = _build(
                     epoch,
@@ -636,13 +636,13 @@ class Assembler:
         width = _check_int("padded_len", padded_len, 1, None)
         limit = width if max_len is None else min(width, _check_int("max_len", max_len, 1, None))
         pad = _check_int("pad_id", pad_id, _INT32_MIN, _INT32_MAX)
-        self._check_files()
+        self._check_files(row_ids)
         return row_ids, width, limit, pad
 
-    def _check_files(self) -> None:
-        """``DatasetChangedError`` (logged once) if a data file changed on disk since it was opened."""
+    def _check_files(self, rows: I64 | None = None) -> None:
+        """``DatasetChangedError`` (logged once) if a data file of ``rows`` changed since it was opened."""
         try:
-            self.dataset.check_files()
+            self.dataset.check_files(rows)
         except DatasetChangedError as exc:
             self._report(exc)
 

@@ -21,6 +21,7 @@ import logging
 import os
 import re
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -113,7 +114,8 @@ class TokenDataset:
     hex characters) is the same for the same data in every process and on every
     machine, however the data was sharded; see ``open_dataset`` for what it
     covers. ``files`` are the memory-mapped Arrow files as they were when
-    opened (empty for a table built in memory).
+    opened (empty for a table built in memory); ``file_ends[i]`` is the row
+    after the last of ``files[i]`` (None when unknown: every file is checked).
     """
 
     path: str
@@ -123,18 +125,25 @@ class TokenDataset:
     has_seq_len: bool
     table: pa.Table = field(repr=False)
     files: tuple[DataFile, ...] = field(default=(), repr=False)
+    file_ends: I64 | None = field(default=None, repr=False)
 
-    def check_files(self) -> None:
+    def check_files(self, rows: I64 | None = None) -> None:
         """Raise ``DatasetChangedError`` if a data file was truncated, resized, rewritten or replaced.
 
-        Costs one ``stat`` per file. Call it before reading token pages: a read
+        Costs one ``stat`` per file: with ``rows``, per file that holds one of
+        those rows (the files a batch of them reads), so a dataset of 512
+        shards costs a batch no more than one of 10. Call it before reading token pages: a read
         past the end of a truncated mapping is a SIGBUS that kills the process,
         and a file rewritten in place changes the bytes under the mapping. It
         narrows the window rather than closing it: a truncation between this
         check and the read still hits the mapping, which the compiled frame
         (``Assembler.frame``) turns into this error instead of a SIGBUS.
         """
-        for data_file in self.files:
+        files: Sequence[DataFile] = self.files
+        if rows is not None and self.file_ends is not None and len(files) > 1:
+            held = np.unique(np.searchsorted(self.file_ends, rows, side="right"))
+            files = [files[i] for i in held[held < len(files)].tolist()]
+        for data_file in files:
             detail = data_file.change()
             if detail is not None:
                 raise DatasetChangedError(self.path, data_file.path, detail)
@@ -203,7 +212,24 @@ def open_dataset(path: str | os.PathLike[str]) -> TokenDataset:
         has_seq_len=has_seq_len,
         table=table,
         files=files,
+        file_ends=_file_ends(files, num_rows),
     )
+
+
+def _file_ends(files: Sequence[DataFile], num_rows: int) -> I64 | None:
+    """The row after the last of each file (files hold the rows in order), or None if they do not add up."""
+    counts = []
+    try:
+        for data_file in files:
+            with pa.memory_map(data_file.path) as source:  # the batches' headers only: no token page
+                counts.append(sum(batch.num_rows for batch in pa.ipc.open_stream(source)))
+    except (OSError, pa.ArrowException):
+        return None
+    ends = np.cumsum(np.asarray(counts, dtype=np.int64))
+    if not ends.size or int(ends[-1]) != num_rows:
+        return None
+    ends.flags.writeable = False
+    return ends
 
 
 def _load(where: str) -> Any:
