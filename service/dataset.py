@@ -180,7 +180,7 @@ def open_dataset(path: str | os.PathLike[str]) -> TokenDataset:
         raise DatasetError(f"{where}: a data file cannot be read: {exc}") from exc
     table = ds.data.table
     _check_columns(where, table)
-    _warn_ignored(where, table.column_names)
+    _warn_ignored(where, table)
     num_rows = int(table.num_rows)
     if num_rows == 0:
         raise EmptyDatasetError(f"dataset {where} has no rows; ladle needs at least one")
@@ -338,12 +338,51 @@ _IGNORED = {
     "real, so rows saved padded are served with their padding as tokens (save them unpadded)",
     "labels": "the loss mask is loss_mask (labels are input_ids shifted, in the trainer)",
 }
+# Rows of an attention_mask column whose two ends are read for padding (evenly spaced: a few pages).
+PADDING_SAMPLE = 256
 
 
-def _warn_ignored(where: str, columns: list[str]) -> None:
-    for name in columns:
-        if name in _IGNORED:
+def _warn_ignored(where: str, table: pa.Table) -> None:
+    for name in table.column_names:
+        if name not in _IGNORED:
+            continue
+        padded, sampled = _padded_ends(table.column(name)) if name == "attention_mask" else (0, 0)
+        if sampled and not padded:  # what a tokenizer writes for unpadded rows (all ones): nothing to fix
+            log.info(
+                "dataset %s: column %r is not read (no padding in %d rows sampled)", where, name, sampled
+            )
+        elif padded:
+            log.warning(
+                "dataset %s: %d of %d sampled rows end in padding (%r is 0 at a row's start or end): %s",
+                where,
+                padded,
+                sampled,
+                name,
+                _IGNORED[name],
+            )
+        else:
             log.warning("dataset %s: column %r is not read: %s", where, name, _IGNORED[name])
+
+
+def _padded_ends(column: Any) -> tuple[int, int]:
+    """(rows with a 0 at either end, non-empty rows looked at) among ``PADDING_SAMPLE`` rows of a list column.
+
+    (0, 0) when the column is not a list of numbers.
+    """
+    rows = len(column)
+    if not rows:
+        return 0, 0
+    picks = np.unique(np.linspace(0, rows - 1, num=min(rows, PADDING_SAMPLE)).astype(np.int64))
+    try:
+        taken = column.take(pa.array(picks)).combine_chunks()
+        offsets = np.asarray(taken.offsets.to_numpy(), dtype=np.int64)
+        starts, ends = offsets[:-1], offsets[1:]
+        full = ends > starts
+        firsts = pc.take(taken.values, pa.array(starts[full])).to_numpy(zero_copy_only=False)
+        lasts = pc.take(taken.values, pa.array(ends[full] - 1)).to_numpy(zero_copy_only=False)
+    except (pa.ArrowException, AttributeError, TypeError, ValueError):
+        return 0, 0
+    return int(((firsts == 0) | (lasts == 0)).sum()), int(full.sum())
 
 
 def _is_null(column: Any) -> npt.NDArray[np.bool_]:

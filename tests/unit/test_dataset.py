@@ -544,17 +544,26 @@ def test_a_fixed_size_list_gets_the_cast_that_fixes_it(tmp_path: Path) -> None:
 def test_columns_ladle_does_not_read_are_named_in_a_warning(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """Rows saved padded (tokenizer(..., padding='max_length')) would be served with padding as tokens."""
+    """Rows saved padded (tokenizer(..., padding='max_length')) would be served with padding as tokens;
+    an attention_mask of ones (what a tokenizer writes for unpadded rows) is no warning's business."""
+    padded = [[1] * len(r) for r in SMALL_ROWS]
+    padded[2] = [1, 1, 1, 0, 0]  # right padding
+    padded[3] = [0, 1]  # left padding
     table = token_table(SMALL_ROWS).append_column(
-        "attention_mask", pa.array([[1] * len(r) for r in SMALL_ROWS], type=pa.list_(pa.int8()))
+        "attention_mask", pa.array(padded, type=pa.list_(pa.int64()))
     )
     table = table.append_column("labels", pa.array(SMALL_ROWS, type=pa.list_(pa.int64())))
     with caplog.at_level("WARNING", logger="ladle.dataset"):
         open_dataset(save_table(tmp_path / "ds", table))
-    assert "column 'attention_mask' is not read" in caplog.text
+    assert "2 of 4 sampled rows end in padding ('attention_mask' is 0" in caplog.text
+    assert "served with their padding as tokens" in caplog.text
     assert "column 'labels' is not read" in caplog.text
     caplog.clear()
+    ones = token_table(SMALL_ROWS).append_column(
+        "attention_mask", pa.array([[1] * len(r) for r in SMALL_ROWS], type=pa.list_(pa.int8()))
+    )
     with caplog.at_level("WARNING", logger="ladle.dataset"):
+        open_dataset(save_table(tmp_path / "ones", ones))
         open_dataset(small(tmp_path / "plain"))
     assert not caplog.text
 
