@@ -157,10 +157,16 @@ def _check_fits(
     least, most = int(values.min()), int(values.max())
     if least < low or most > high:
         bad = least if least < low else most
+        fix = (
+            "re-tokenize with a vocabulary that fits, or cast the column after checking its range"
+            if column == TOKENS
+            else "loss_mask values are weights of -128..127, usually 0 or 1: rescale or recompute the column"
+        )
         raise DatasetError(
             f"dataset {where}: row {row} of {column!r} holds {bad}, outside {what} "
-            f"[{low}, {high}]; ladle would send it wrapped (re-tokenize, or cast the column after "
-            "checking its range)"
+            f"[{low}, {high}]; ladle would send it wrapped ({fix}). Values are checked as batches are "
+            "made, so a restarted trainer stops at the same step: fix the dataset, save it to a new "
+            "folder and start a new job"
         )
 
 

@@ -172,7 +172,19 @@ def open_dataset(path: str | os.PathLike[str]) -> TokenDataset:
     sampled positions change (same lengths), nor with the ``seq_len`` values
     (they must equal the lengths) or with metadata such as ``dataset_info.json``.
     """
-    where = os.path.abspath(os.fspath(path))
+    given = os.fspath(path)
+    if "://" in given:  # abspath would make /cwd/s3:/bucket/... of it
+        raise DatasetNotFoundError(
+            f"{given} is a URL: ladle reads a local folder that datasets' save_to_disk wrote "
+            "(copy it to local disk or a mount first)"
+        )
+    where = os.path.abspath(given)
+    if not os.path.exists(where) and re.fullmatch(r"[\w.-]+/[\w.-]+", given):
+        raise DatasetNotFoundError(
+            f"no dataset at {where}: the path does not exist; if {given!r} is a Hugging Face Hub id, "
+            f"ladle reads local folders only (nothing is downloaded): save it once, tokenized, with "
+            f"datasets.load_dataset({given!r}, split=...).map(...).save_to_disk(DIR)"
+        )
     ds = _load(where)
     try:
         files = tuple(DataFile.of(str(entry["filename"])) for entry in ds.cache_files)
@@ -239,7 +251,9 @@ def _load(where: str) -> Any:
         raise DatasetNotFoundError(f"no dataset at {where}: the path does not exist")
     if not folder.is_dir():
         if (folder.parent / "state.json").is_file():
-            hint = f"; this file is one of its shards: pass its folder, {folder.parent}"
+            hint = f"; this file belongs to a saved dataset: pass its folder, {folder.parent}"
+        elif folder.suffix == ".arrow":  # a load_dataset cache file
+            hint = f"; convert it once: datasets.Dataset.from_file({str(folder)!r}).save_to_disk(OUT)"
         elif folder.suffix in (".parquet", ".jsonl", ".json", ".csv"):
             kind = {".jsonl": "json"}.get(folder.suffix, folder.suffix[1:])
             hint = f"; convert it once: datasets.Dataset.from_{kind}({str(folder)!r}).save_to_disk(OUT)"
@@ -255,10 +269,12 @@ def _load(where: str) -> Any:
         raise DatasetError(
             f"{where} holds a DatasetDict (splits {splits}); pass one split's folder, e.g. {example}"
         )
-    if not (folder / "state.json").is_file() or not (folder / "dataset_info.json").is_file():
+    missing = [name for name in ("state.json", "dataset_info.json") if not (folder / name).is_file()]
+    if missing:
+        cache = " (a load_dataset cache folder is not one)" if any(folder.glob("*.arrow")) else ""
         raise DatasetError(
-            f"{where} is not a saved dataset (no state.json / dataset_info.json); write it with "
-            "datasets.Dataset.save_to_disk and pass that folder"
+            f"{where} is not a saved dataset{cache}: it has no {' and no '.join(missing)}; write it "
+            "with datasets.Dataset.save_to_disk and pass that folder"
         )
     try:
         state = json.loads((folder / "state.json").read_text(encoding="utf-8"))

@@ -469,7 +469,7 @@ def test_file_is_not_a_dataset(tmp_path: Path) -> None:
 def test_a_file_path_is_refused_with_what_to_pass_instead(tmp_path: Path) -> None:
     path = small(tmp_path / "ds")
     shard = next(path.glob("data-*.arrow"))
-    with pytest.raises(DatasetError, match=r"one of its shards: pass its folder, .*ds$"):
+    with pytest.raises(DatasetError, match=r"belongs to a saved dataset: pass its folder, .*ds$"):
         open_dataset(shard)
     parquet = tmp_path / "data.parquet"
     parquet.write_bytes(b"PAR1")
@@ -691,3 +691,22 @@ def test_a_batch_checks_the_files_that_hold_its_rows(tmp_path: Path) -> None:
     for batch in (np.array([5, 67], dtype=np.int64), np.array([99], dtype=np.int64), None):
         with pytest.raises(DatasetChangedError, match="its size changed"):
             ds.check_files(batch)
+
+
+def test_paths_that_are_not_a_saved_folder_say_what_to_do(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for url in ("s3://bucket/tokenized", "hf://datasets/org/name"):
+        with pytest.raises(DatasetNotFoundError, match=f"^{url} is a URL: ladle reads a local folder"):
+            open_dataset(url)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(DatasetNotFoundError, match=r"if 'org/name' is a Hugging Face Hub id.*load_dataset"):
+        open_dataset("org/name")
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / "dataset_info.json").write_text("{}")
+    (cache / "json-train.arrow").write_bytes(b"")
+    with pytest.raises(DatasetError, match=r"a load_dataset cache folder is not one.*no state\.json;"):
+        open_dataset(cache)
+    with pytest.raises(DatasetError, match=r"Dataset\.from_file\('.*json-train\.arrow'\)\.save_to_disk"):
+        open_dataset(cache / "json-train.arrow")
