@@ -845,10 +845,28 @@ def _plan(args: argparse.Namespace) -> int:
     print(format_quality(q, qb))
     if cut:
         print(f"\nnote: {cut.sentence()}")
+    crowded = _crowded_bucket(sched, config)
+    if crowded:
+        print(f"\nnote: {crowded}")
     if args.simulate_loss and baseline is not None:
         print()
         print(format_loss(simulate_loss(sched), simulate_loss(baseline)))
     return 0
+
+
+def _crowded_bucket(sched: Any, config: ScheduleConfig) -> str:
+    """A hint when fixed edges put most samples in one bucket (nothing left to interleave), else ''."""
+    rows = bucket_table(sched)
+    total = sum(r.samples for r in rows)
+    if config.bucket_bounds == "auto" or len(rows) < 2 or not total:
+        return ""
+    top = max(rows, key=lambda r: r.samples)
+    if top.samples < 0.9 * total:
+        return ""
+    return (
+        f"{top.samples / total:.0%} of the samples fall in one bucket ([{top.lo}, {top.hi})) with these "
+        "edges, so batches barely mix lengths; --bucket-bounds auto fits edges to this dataset"
+    )
 
 
 def _table(header: list[str], rows: list[list[str]]) -> str:

@@ -140,9 +140,13 @@ class ScheduleConfig(BaseModel):
                     "without a bucket; start at 0 or 1"
                 )
             if bounds[-1] <= self.max_seq_len:
+                default = (
+                    " (the default edges, for one production mix)" if bounds == PRODUCTION_BOUNDS else ""
+                )
                 raise ValueError(
-                    f"bucket_bounds: last edge {bounds[-1]} must exceed max_seq_len="
-                    f"{self.max_seq_len} (edges are half-open), e.g. {self.max_seq_len + 1}"
+                    f"bucket_bounds: last edge {bounds[-1]}{default} must exceed max_seq_len="
+                    f"{self.max_seq_len} (edges are half-open), e.g. {self.max_seq_len + 1}; "
+                    "or --bucket-bounds auto, which fits edges to the dataset"
                 )
         longest = round_up(self.max_seq_len, self.pad_to_multiple_of)
         if self.token_budget < longest:

@@ -299,3 +299,19 @@ def test_demo_takes_the_dataset_as_plan_and_serve_do(capsys: pytest.CaptureFixtu
     assert build_parser().parse_args(["demo", "some/dir"]).dataset_path == "some/dir"
     assert main(["demo", "some/dir", "--dataset", "other/dir"]) == 2
     assert "give one of DATASET, --dataset and --text" in capsys.readouterr().err
+
+
+def test_plan_hints_at_auto_edges_when_one_bucket_takes_nearly_all(
+    sample: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The default edges fit one production mix; a dataset of short rows lands in their first bucket."""
+    assert main(["plan", str(sample), "--token-budget", "8192"]) == 0  # the default edges: 0, 770, ...
+    out = capsys.readouterr().out
+    assert "of the samples fall in one bucket ([0, 770))" in out, out
+    assert "--bucket-bounds auto" in out
+    assert main(["plan", str(sample), *SMALL]) == 0
+    assert "fall in one bucket" not in capsys.readouterr().out
+    assert main(["plan", str(sample), "--max-seq-len", "32768", "--token-budget", "32768"]) == 2
+    err = capsys.readouterr().err
+    assert "last edge 8193 (the default edges, for one production mix) must exceed" in err, err
+    assert "--bucket-bounds auto" in err
