@@ -151,7 +151,13 @@ class MissingColumnsError(DatasetError):
             hints.append(
                 f"if {others[0]!r} holds the token ids: ds = ds.rename_column({others[0]!r}, 'input_ids')"
             )
-        if "loss_mask" in missing:
+        elif "input_ids" in missing and not token_lists:  # text, not tokens
+            hints.append(
+                "it holds no token lists: tokenize it first, e.g. "
+                "ds.map(lambda b: tokenizer(b['text']), batched=True), or let `ladle make-dataset OUT "
+                "--from-text FILES` tokenize text files"
+            )
+        if "loss_mask" in missing and token_lists:
             if "labels" in present:
                 hints.append(
                     "from labels: ds.map(lambda r: {'loss_mask': [int(t != -100) for t in r['labels']]})"
@@ -164,7 +170,7 @@ class MissingColumnsError(DatasetError):
             f"dataset {path} lacks column(s) {missing}; it has {present}. "
             "ladle needs input_ids (list of int) and loss_mask (list of int, same lengths)"
             + "".join(f"; {hint}" for hint in hints)
-            + " (then save_to_disk again)"
+            + " (then save_to_disk to a new folder)"
         )
 
 

@@ -600,6 +600,14 @@ def test_missing_columns(tmp_path: Path) -> None:
     assert info.value.missing == ["loss_mask"]
     assert "loss_mask" in str(info.value)
     assert str(tmp_path / "ds") in str(info.value)
+    assert "save_to_disk to a new folder" in str(info.value)  # datasets cannot overwrite what it reads
+    text = pa.table({"text": ["hello", "world"]})  # not tokenized: no hint that reads input_ids
+    with pytest.raises(MissingColumnsError) as info:
+        open_dataset(save_table(tmp_path / "text", text))
+    message = str(info.value)
+    assert "tokenize it first" in message, message
+    assert "ladle make-dataset OUT --from-text" in message
+    assert "r['input_ids']" not in message
 
 
 def test_empty_dataset(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
