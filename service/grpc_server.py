@@ -1005,7 +1005,8 @@ class BatchServicer:
                         raise StreamAbortedError(
                             "invalid_argument",
                             "bad_ack",
-                            f"Ack through {given} is beyond the last batch sent ({session.sent})",
+                            f"Ack through epoch {given.epoch} step {given.step} is beyond the last batch "
+                            f"sent (next: epoch {session.sent.epoch} step {session.sent.step})",
                             "ack",
                         )
                     session.acked = max(session.acked, through)  # an earlier or repeated Ack changes nothing
@@ -1014,7 +1015,10 @@ class BatchServicer:
                     session.flush()
                 else:
                     raise StreamAbortedError(
-                        "invalid_argument", "bad_request", f"unexpected {kind} after Open", kind or ""
+                        "invalid_argument",
+                        "bad_request",
+                        f"unexpected {kind or 'request with neither ack nor credit'} after Open",
+                        kind or "",
                     )
         except LadleError as exc:  # a bad Ack or Credit (a position out of range, too far ahead)
             session.fail(exc)
