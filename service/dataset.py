@@ -323,22 +323,29 @@ def _check_columns(where: str, table: Any) -> None:
     if missing:
         token_lists = [name for name in present if _is_list_of_int(schema.field(name).type)]
         raise MissingColumnsError(where, missing, present, token_lists)
+    problems = []  # every column's, so one run names them all
     for name in REQUIRED_COLUMNS:
         arrow_type = schema.field(name).type
         if not _is_list_of_int(arrow_type):
             value_type = getattr(arrow_type, "value_type", None)
             hint = ""
             if value_type is not None and pa.types.is_boolean(value_type):
-                hint = f"; cast it before save_to_disk: ds.cast_column({name!r}, Sequence(Value('int8')))"
+                hint = f" (cast it before save_to_disk: ds.cast_column({name!r}, Sequence(Value('int8'))))"
             elif pa.types.is_fixed_size_list(arrow_type) and pa.types.is_integer(value_type):
                 hint = (
-                    f"; cast it to a variable-length list before save_to_disk: "
-                    f"ds.cast_column({name!r}, Sequence(Value({str(value_type)!r})))"
+                    f" (cast it to a variable-length list before save_to_disk: "
+                    f"ds.cast_column({name!r}, Sequence(Value({str(value_type)!r}))))"
                 )
-            raise DatasetError(
-                f"dataset {where}: column {name!r} has Arrow type {arrow_type}; "
-                f"expected a list (or large_list) of integers{hint}"
-            )
+            elif name == LOSS_MASK and value_type is not None and pa.types.is_floating(value_type):
+                hint = (
+                    " (the mask goes to the trainer as int8 weights, usually 0 or 1: if those are its values,"
+                    " ds.cast_column('loss_mask', Sequence(Value('int8'))) before save_to_disk)"
+                )
+            problems.append(f"column {name!r} has Arrow type {arrow_type}{hint}")
+    if problems:
+        raise DatasetError(
+            f"dataset {where}: {'; '.join(problems)}; expected lists (or large_lists) of integers"
+        )
     if SEQ_LEN in present:
         arrow_type = schema.field(SEQ_LEN).type
         if not pa.types.is_integer(arrow_type):

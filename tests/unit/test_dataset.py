@@ -541,6 +541,23 @@ def test_a_fixed_size_list_gets_the_cast_that_fixes_it(tmp_path: Path) -> None:
     assert open_dataset(tmp_path / "cast").lengths.tolist() == [2, 2]
 
 
+def test_every_column_of_the_wrong_type_is_named_in_one_error(tmp_path: Path) -> None:
+    """One run names them all (it took a run per column), with the cast for a float mask."""
+    features = datasets.Features(
+        {
+            "input_ids": datasets.Sequence(datasets.Value("int32"), length=2),
+            "loss_mask": datasets.Sequence(datasets.Value("float32")),
+        }
+    )
+    ds = datasets.Dataset.from_dict({"input_ids": [[1, 2]], "loss_mask": [[1.0, 0.0]]}, features)
+    ds.save_to_disk(str(tmp_path / "both"))
+    with pytest.raises(DatasetError) as info:
+        open_dataset(tmp_path / "both")
+    message = str(info.value)
+    assert "ds.cast_column('input_ids', Sequence(Value('int32')))" in message, message
+    assert "ds.cast_column('loss_mask', Sequence(Value('int8')))" in message, message
+
+
 def test_columns_ladle_does_not_read_are_named_in_a_warning(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
