@@ -28,6 +28,7 @@ from typing import Any, Generic, NamedTuple, NoReturn, TypeVar
 import numpy as np
 import numpy.typing as npt
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from ladle.proto import codec
 
@@ -56,7 +57,7 @@ class _NoMappedReadError(Exception):
 # a read of the mapped dataset in C that faulted (SIGBUS): a data file was cut under the mapping
 _MappedReadError: type[Exception] = getattr(_frame_c, "MappedReadError", _NoMappedReadError)
 
-__all__ = ["Assembler", "BatchBuffers", "BatchFrame", "BatchPieces", "Prefetcher"]
+__all__ = ["Assembler", "BatchBuffers", "BatchFrame", "BatchPieces", "Prefetcher", "check_values"]
 
 log = logging.getLogger("ladle.server")
 
@@ -164,10 +165,43 @@ def _check_fits(
         )
         raise DatasetError(
             f"dataset {where}: row {row} of {column!r} holds {bad}, outside {what} "
-            f"[{low}, {high}]; ladle would send it wrapped ({fix}). Values are checked as batches are "
-            "made, so a restarted trainer stops at the same step: fix the dataset, save it to a new "
-            "folder and start a new job"
+            f"[{low}, {high}]; ladle would send it wrapped ({fix}). Serving checks values as it makes "
+            "batches, so a restarted trainer stops at the same step: fix the dataset, save it to a new "
+            "folder and start a new job (ladle plan --check-values finds such rows before training)"
         )
+
+
+def check_values(dataset: TokenDataset) -> dict[str, tuple[int, int]]:
+    """Each served column's smallest and largest value, read from every token (``ladle plan --check-values``).
+
+    ``DatasetError`` naming the first row that does not fit the wire's type,
+    as serving that row's batch would raise, but before training starts. It
+    reads the whole dataset once: seconds a GB from page cache, disk speed
+    otherwise.
+    """
+    found: dict[str, tuple[int, int]] = {}
+    for column, bounds in ((TOKENS, _INT32), (LOSS_MASK, _INT8)):
+        low, high, _ = bounds
+        least: int | None = None
+        most: int | None = None
+        first = 0  # the chunk's first row
+        for chunk in dataset.table.column(column).chunks:
+            flat = pc.list_flatten(chunk)
+            if len(flat):
+                span = pc.min_max(flat)
+                lo, hi = span["min"].as_py(), span["max"].as_py()
+                least = lo if least is None else min(least, lo)
+                most = hi if most is None else max(most, hi)
+                if lo < low or hi > high:
+                    outside = pc.or_(pc.less(flat, pa.scalar(low)), pc.greater(flat, pa.scalar(high)))
+                    at = pc.index(outside, True).as_py()
+                    ends = np.cumsum(np.asarray(pc.list_value_length(chunk).to_numpy(zero_copy_only=False)))
+                    row = int(np.searchsorted(ends, at, side="right"))
+                    values = np.asarray(chunk[row].values.to_numpy(zero_copy_only=False))
+                    _check_fits(dataset.path, column, first + row, values, bounds)
+            first += len(chunk)
+        found[column] = (least or 0, most or 0)
+    return found
 
 
 def _kind_of(chunks: list[npt.NDArray[Any]]) -> str | None:

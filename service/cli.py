@@ -91,6 +91,12 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--json", action="store_true", help="machine-readable output")
     plan.add_argument("--compare", choices=["random"], help="show the naive random shuffle beside ladle")
     plan.add_argument("--simulate-loss", action="store_true", help="simulate the logged loss (the ladder)")
+    plan.add_argument(
+        "--check-values",
+        action="store_true",
+        help="read every token: refuse ids beyond int32 and mask values beyond int8 now, not at their batch, "
+        "and name negative ids and masks other than 0/1 (reads the whole dataset once)",
+    )
     _add_config_options(plan)
 
     serve = sub.add_parser("serve", help="serve a dataset's batches over gRPC to BatchClient trainers")
@@ -804,6 +810,7 @@ def _write_dataset(args: argparse.Namespace) -> int:
 
 
 def _plan(args: argparse.Namespace) -> int:
+    from .assemble import check_values
     from .dataset import open_dataset
 
     config = config_from_args(args)
@@ -818,10 +825,13 @@ def _plan(args: argparse.Namespace) -> int:
             world_size=args.world_size,
         )
     cut = cut_samples(ds.lengths, config)
+    ranges = check_values(ds) if args.check_values else None
     if args.json:
         doc = summary(sched)
         doc["dataset"] = {"path": ds.path, "rows": ds.num_rows, "fingerprint": ds.fingerprint}
         doc["cut"] = {"samples": cut.samples, "tokens_cut": cut.tokens_cut, "tokens": cut.tokens}
+        if ranges is not None:
+            doc["values"] = {column: {"min": lo, "max": hi} for column, (lo, hi) in ranges.items()}
         if baseline is not None and args.compare == "random":
             doc["compare"] = {"random": summary(baseline)}
         if args.simulate_loss and baseline is not None:
@@ -848,10 +858,23 @@ def _plan(args: argparse.Namespace) -> int:
     crowded = _crowded_bucket(sched, config)
     if crowded:
         print(f"\nnote: {crowded}")
+    if ranges is not None:
+        print(f"\n{_values_line(ranges)}")
     if args.simulate_loss and baseline is not None:
         print()
         print(format_loss(simulate_loss(sched), simulate_loss(baseline)))
     return 0
+
+
+def _values_line(ranges: dict[str, tuple[int, int]]) -> str:
+    """What ``--check-values`` found: the ranges, and what in them is odd (every value fits the wire)."""
+    (ids_low, ids_high), (mask_low, mask_high) = ranges["input_ids"], ranges["loss_mask"]
+    line = f"values: input_ids {ids_low}..{ids_high}, loss_mask {mask_low}..{mask_high}: all fit the wire"
+    if ids_low < 0:
+        line += "\nnote: input_ids holds negative values (a -100 copied from labels?): they are served as is"
+    if mask_low < 0 or mask_high > 1:
+        line += "\nnote: loss_mask holds values other than 0 and 1: they reach the trainer as weights"
+    return line
 
 
 def _crowded_bucket(sched: Any, config: ScheduleConfig) -> str:

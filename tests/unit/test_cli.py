@@ -315,3 +315,14 @@ def test_plan_hints_at_auto_edges_when_one_bucket_takes_nearly_all(
     err = capsys.readouterr().err
     assert "last edge 8193 (the default edges, for one production mix) must exceed" in err, err
     assert "--bucket-bounds auto" in err
+
+
+def test_plan_check_values_prints_the_ranges(sample: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", str(sample), *SMALL, "--check-values"]) == 0
+    out = capsys.readouterr().out
+    assert "values: input_ids 1..31999" in out, out
+    assert "loss_mask 0..1: all fit the wire" in out, out
+    assert "note: input_ids holds negative values" not in out
+    assert main(["plan", str(sample), *SMALL, "--check-values", "--json"]) == 0
+    values = json.loads(capsys.readouterr().out)["values"]
+    assert values["loss_mask"] == {"min": 0, "max": 1}

@@ -735,3 +735,32 @@ def test_paths_that_are_not_a_saved_folder_say_what_to_do(
         open_dataset(cache)
     with pytest.raises(DatasetError, match=r"Dataset\.from_file\('.*json-train\.arrow'\)\.save_to_disk"):
         open_dataset(cache / "json-train.arrow")
+
+
+def test_check_values_finds_the_row_a_batch_would_refuse_before_training(tmp_path: Path) -> None:
+    """Ids beyond int32 (or mask values beyond int8) were found only when their batch was made."""
+    from ladle.service.assemble import check_values
+
+    rows = [[1, 2], [3, 2**31 + 5, 4], [6]]
+    table = pa.table(
+        {
+            "input_ids": pa.array(rows, type=pa.list_(pa.int64())),
+            "loss_mask": pa.array([[1] * len(r) for r in rows], type=pa.list_(pa.int64())),
+        }
+    )
+    bad = open_dataset(save_table(tmp_path / "bad", table, num_shards=2))
+    with pytest.raises(DatasetError, match=r"row 1 of 'input_ids' holds 2147483653, outside int32"):
+        check_values(bad)
+    masks = [[1, 1], [0, 200, 1], [-3]]
+    weights = pa.table(
+        {
+            "input_ids": pa.array([[1, 2], [3, -100, 4], [6]], type=pa.list_(pa.int32())),
+            "loss_mask": pa.array(masks, type=pa.list_(pa.int64())),
+        }
+    )
+    with pytest.raises(DatasetError, match=r"row 1 of 'loss_mask' holds 200, outside int8.*weights"):
+        check_values(open_dataset(save_table(tmp_path / "weights", weights)))
+    masks[1][1] = 1
+    fine = weights.set_column(1, "loss_mask", pa.array(masks, type=pa.list_(pa.int64())))
+    found = check_values(open_dataset(save_table(tmp_path / "fine", fine)))
+    assert found == {"input_ids": (-100, 6), "loss_mask": (-3, 1)}
