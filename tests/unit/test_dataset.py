@@ -704,18 +704,21 @@ def test_null_rows_and_tokens(tmp_path: Path) -> None:
 def test_a_batch_checks_the_files_that_hold_its_rows(tmp_path: Path) -> None:
     """One stat per file a batch reads, not per file of the dataset (512 shards cost 5 ms a batch)."""
     rows = [[i + 1] * (1 + i % 7) for i in range(100)]
-    folder = save_table(tmp_path / "ds", token_table(rows), num_shards=3)
+    folder = save_table(tmp_path / "ds", token_table(rows), num_shards=20)
     ds = open_dataset(folder)
-    assert len(ds.files) == 3
+    assert len(ds.files) == 20
     assert ds.file_ends is not None
-    assert ds.file_ends.tolist() == [34, 67, 100]
-    last = Path(ds.files[2].path)
+    assert ds.file_ends.tolist() == list(range(5, 101, 5))
+    last = Path(ds.files[19].path)
     with last.open("ab") as out:  # the last shard grows under the mapping
         out.write(b"\0")
-    ds.check_files(np.array([0, 33, 34, 66], dtype=np.int64))  # rows of the first two shards only
-    for batch in (np.array([5, 67], dtype=np.int64), np.array([99], dtype=np.int64), None):
+    ds.check_files(np.array([0, 4, 5, 9], dtype=np.int64))  # rows of the first two shards only
+    for batch in (np.array([5, 95], dtype=np.int64), np.array([99], dtype=np.int64), None):
         with pytest.raises(DatasetChangedError, match="its size changed"):
             ds.check_files(batch)
+    # as many rows as files: picking them would cost more than checking all
+    with pytest.raises(DatasetChangedError, match="its size changed"):
+        ds.check_files(np.arange(10, dtype=np.int64))
 
 
 def test_paths_that_are_not_a_saved_folder_say_what_to_do(
