@@ -31,7 +31,7 @@ from google.protobuf.message import DecodeError  # type: ignore[import-untyped]
 
 from ladle.proto import rpc
 
-__all__ = ["FirstRequestInterceptor"]
+__all__ = ["FirstRequestInterceptor", "NoRequestError", "first_request"]
 
 log = logging.getLogger("ladle.server")
 
@@ -49,22 +49,25 @@ class NoRequestError(Exception):
         await rpc.abort(context, self.status, self.reason, str(self))
 
 
-async def _first_request(requests: AsyncIterator[Any], timeout: float, what: str) -> Any:
+async def first_request(
+    requests: AsyncIterator[Any], timeout: float, what: str, *, missing: str = "no_request"
+) -> Any:
     """The call's first request, read within ``timeout`` seconds; ``NoRequestError`` if none came.
 
-    ``what`` names the request in the messages ("ladle.v1.DescribeRequest").
+    ``what`` names the request in the messages ("Open"); ``missing`` is the
+    reason when none came (in time).
     """
     try:
         return await asyncio.wait_for(requests.__anext__(), timeout)
     except TimeoutError:
         raise NoRequestError(
             grpc.StatusCode.DEADLINE_EXCEEDED,
-            "no_request",
+            missing,
             f"the call sent no {what} within {timeout:g} s of opening (ladle serve --handshake-timeout)",
         ) from None
     except StopAsyncIteration:
         raise NoRequestError(
-            grpc.StatusCode.INVALID_ARGUMENT, "no_request", f"the call ended before its {what}"
+            grpc.StatusCode.INVALID_ARGUMENT, missing, f"the call ended before its {what}"
         ) from None
     except DecodeError as exc:
         raise NoRequestError(
@@ -93,7 +96,7 @@ def _reading_first(handler: Any, timeout: float, method: str) -> Any:
     async def request(requests: AsyncIterator[bytes], context: Any) -> Any:
         """The call's request, parsed; else the call ends here (``context.abort`` raises)."""
         try:
-            raw = await _first_request(requests, timeout, what)
+            raw = await first_request(requests, timeout, what)
             try:
                 return parse(raw)
             except DecodeError as exc:

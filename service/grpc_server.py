@@ -45,6 +45,7 @@ from .errors import (
     StoreUnavailableError,
     reason_of,
 )
+from .first_request import NoRequestError, first_request
 from .jobs import Job, JobRegistry
 from .limits import Limits
 from .metrics import ServerMetrics, StreamMeter
@@ -81,7 +82,6 @@ _STATUS = {
     "invalid_argument": grpc.StatusCode.INVALID_ARGUMENT,
     "failed_precondition": grpc.StatusCode.FAILED_PRECONDITION,
     "not_found": grpc.StatusCode.NOT_FOUND,
-    "deadline_exceeded": grpc.StatusCode.DEADLINE_EXCEEDED,
     "unavailable": grpc.StatusCode.UNAVAILABLE,
     "unauthenticated": grpc.StatusCode.UNAUTHENTICATED,
     "resource_exhausted": grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -626,22 +626,12 @@ class BatchServicer:
         here, both reach this coroutine's ``finally``.
         """
         try:
-            wait = self.limits.handshake_timeout_s
-            try:
-                # a call that sends nothing holds one of grpc's concurrent-call slots while it waits
-                first = await asyncio.wait_for(requests.__anext__(), wait)
-            except TimeoutError:
-                raise StreamAbortedError(
-                    "deadline_exceeded",
-                    "no_open",
-                    f"the stream sent no Open within {wait:g} s of opening (ladle serve --handshake-timeout)",
-                ) from None
-            except StopAsyncIteration:
-                raise StreamAbortedError(
-                    "invalid_argument", "no_open", "the stream closed before its Open"
-                ) from None
-            except DecodeError as exc:
-                raise _malformed(exc) from None
+            # a call that sends nothing holds one of grpc's concurrent-call slots while it waits
+            first = await first_request(requests, self.limits.handshake_timeout_s, "Open", missing="no_open")
+        except NoRequestError as exc:
+            await exc.abort(context)
+            return
+        try:
             self._check_open(first)
             # counted before the store hears of it: a refused Open must not fence anyone
             admitted = self._admit(first.open.job, first.open.rank)
