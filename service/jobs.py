@@ -52,6 +52,7 @@ log = logging.getLogger("ladle.server")
 __all__ = [
     "COLD_WAIT_S",
     "HOT_SECONDS",
+    "KNOWN_JOBS",
     "MAX_COLD_WAITING",
     "SPARE_SCHEDULES",
     "BatchRef",
@@ -69,6 +70,10 @@ SWEEP_SECONDS: Final = 1.0  # a stream's use drops idle schedules at most this o
 HOT_SECONDS: Final = 60.0
 MAX_COLD_WAITING: Final = 2
 COLD_WAIT_S: Final = 20.0
+# Jobs a server remembers (JobRegistry): the most recently opened, about 0.5 KiB each. A job
+# forgotten is read from the store again when a trainer opens it; only a job that both this
+# server forgot and the store lost is created again as new rather than restored.
+KNOWN_JOBS: Final = 10_000
 
 
 def schedule_fingerprint(
@@ -481,7 +486,8 @@ class JobRegistry:
         self.dataset = dataset
         self.config = config
         self.store = store
-        self._jobs: dict[str, Job] = {}
+        self._jobs: OrderedDict[str, Job] = OrderedDict()  # least recently opened first
+        self._known = KNOWN_JOBS
         self._lock = threading.Lock()
         self.schedules = ScheduleCache(spare)
 
@@ -629,6 +635,9 @@ class JobRegistry:
             if job is None or not job.is_stored_as(state):
                 job = self._new_job(state)
                 self._jobs[state.job] = job
+            self._jobs.move_to_end(state.job)
+            while len(self._jobs) > self._known:  # bounded however many job names trainers use
+                self._jobs.popitem(last=False)
             return job
 
     def _new_job(self, state: JobState) -> Job:

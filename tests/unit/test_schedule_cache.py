@@ -245,3 +245,24 @@ def test_idle_schedules_go_without_waiting_for_a_build() -> None:
     assert len(cache) == 1 + 1, "idle schedules stayed until something was built"
     clock.now += 120
     assert len(cache) == 1, "with every stream idle, the spare one alone is kept"
+
+
+def test_the_registry_remembers_a_bounded_number_of_jobs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    lengths = (np.arange(4000, dtype=np.int64) * 37) % 128 + 1
+    dataset = SimpleNamespace(lengths=lengths, fingerprint="ds", path=str(tmp_path), num_rows=len(lengths))
+    store = EmbeddedStore(tmp_path / "state.db")
+    registry = JobRegistry(dataset, CONFIG, store)  # type: ignore[arg-type]
+    monkeypatch.setattr(registry, "_known", 3)
+    first = registry.open("run-0", 2)
+    for i in range(1, 6):
+        registry.open(f"run-{i}", 2)
+        registry.open("run-1", 2)  # opened again: kept as the most recent
+    assert len(registry._jobs) == 3
+    assert registry.get("run-0") is None  # forgotten by the server ...
+    assert {"run-1", "run-5"} <= set(registry._jobs)
+    again = registry.open("run-0", 2)  # ... but not by the store: the same job again
+    assert again is not first
+    assert (again.fingerprint, again.incarnation) == (first.fingerprint, first.incarnation)
+    assert len(registry._jobs) == 3
