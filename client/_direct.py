@@ -98,11 +98,40 @@ def wait_ready(channel: Any, until: float, stop: Callable[[], bool], slice_s: fl
     ``grpc.channel_ready_future`` watches the channel on a thread of
     grpcio's that renews a 0.2 s watch until it sees the unsubscription, and
     ``channel.close()`` waits for that watch to end: 0-470 ms a close,
-    measured. Here the watch runs on the caller's thread, in slices of at
-    most ``slice_s`` (so ``stop`` is seen), and none is left once this
-    returns: a close right after costs nothing. The channel must not be
-    closed while this runs.
+    measured. Here the watch runs in slices of at most ``slice_s`` (so
+    ``stop`` is seen) on a thread of this call's, which the caller waits for:
+    none is left once this returns, so a close right after costs nothing.
+
+    The watch is not on the caller's thread because a signal handler's
+    exception (Ctrl-C's ``KeyboardInterrupt``, a preemption handler's
+    ``sys.exit``) raised inside it leaves grpcio's watch registered with
+    nobody to complete it, and closing or collecting the channel then waits
+    for it for ever. Interrupted, the caller raises at once; the watch ends
+    at its slice's deadline. The channel must not be closed while this runs.
     """
+    result: list[bool] = []
+    failed: list[BaseException] = []
+    interrupted = threading.Event()
+
+    def watch() -> None:
+        try:
+            result.append(_watch_ready(channel, until, lambda: interrupted.is_set() or stop(), slice_s))
+        except BaseException as exc:  # handed to the caller
+            failed.append(exc)
+
+    watcher = threading.Thread(target=watch, name="ladle-connect", daemon=True)
+    watcher.start()
+    try:
+        watcher.join()  # a signal's exception is raised here, in the caller
+    except BaseException:
+        interrupted.set()
+        raise
+    if failed:
+        raise failed[0]
+    return result[0]
+
+
+def _watch_ready(channel: Any, until: float, stop: Callable[[], bool], slice_s: float) -> bool:
     assert _cygrpc is not None
     inner = channel._channel
     ready = _cygrpc.ConnectivityState.ready

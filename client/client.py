@@ -998,7 +998,7 @@ class BatchClient:
         return self._stub
 
     def _watch_here(self, channel: Any) -> bool:
-        """Watch ``channel`` connect on this thread (grpcio's Cython layer, like the polled reader).
+        """Watch ``channel`` connect through grpcio's Cython layer, like the polled reader (``wait_ready``).
 
         ``grpc.channel_ready_future`` leaves a watch for ``close()`` to wait
         out (0-470 ms a close, measured); ``_direct.wait_ready`` leaves none.

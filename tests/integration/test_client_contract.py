@@ -16,6 +16,7 @@ import os
 import pickle
 import re
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -307,6 +308,49 @@ def test_exit_does_not_wait_long_for_a_server_that_hangs(server_factory: Server,
         os.kill(server.proc.pid, signal.SIGCONT)
     took = exited - float(done.stderr.rsplit("ending at ", 1)[1].split()[0])
     assert took < 4.0, f"6 clients' exit took {took:.1f}s with the server stopped"
+
+
+@pytest.mark.parametrize("waiting_for", ["connect", "reconnect"])
+def test_ctrl_c_or_a_preemption_handler_while_waiting_for_a_server_ends_the_process(
+    server_factory: Server, tmp_path: Path, waiting_for: str
+) -> None:
+    """A signal handler's exception while the client waits to (re)connect propagates, and the process ends.
+
+    It used to land inside grpcio's connectivity watch, which then stayed
+    registered: the handler ran, but closing (or collecting) the channel
+    waited for that watch for ever.
+    """
+    server = server_factory()
+    if waiting_for == "connect":
+        with socket.socket() as s:  # a port nothing listens on: a server not up yet
+            s.bind(("127.0.0.1", 0))
+            address = f"127.0.0.1:{s.getsockname()[1]}"
+        kill_server = ""
+    else:  # the server dies mid-epoch and the client is reconnecting
+        address = server.address
+        kill_server = f"next(iter(client)); os.kill({server.proc.pid}, signal.SIGKILL)"
+    body = f"""
+        import signal, threading
+        client = BatchClient(0, 1, {address!r}, "interrupted", timeout=60)
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a preemption handler
+        {kill_server}
+        threading.Timer(1.5, os.kill, (os.getpid(), signal.SIGINT)).start()  # Ctrl-C
+        try:
+            for _ in client:  # what the window holds, then the wait
+                pass
+        except KeyboardInterrupt:
+            print("interrupted", flush=True)
+        threading.Timer(1.5, os.kill, (os.getpid(), signal.SIGTERM)).start()
+        try:
+            for _ in client:
+                pass
+        finally:
+            client.close()
+            print("closed", flush=True)
+        """
+    done = run_trainer(address, body, tmp_path)
+    assert done.returncode == 143, done.stderr
+    assert done.stdout.split() == ["interrupted", "closed"], done.stdout
 
 
 def test_a_dropped_client_ends_its_threads(module_server: Any) -> None:
