@@ -471,7 +471,8 @@ class BatchClient:
     ``BatchClient(rank, world_size, server, job)`` takes its defaults from
     ``RANK``, ``WORLD_SIZE``, ``LADLE_SERVER`` and ``LADLE_JOB`` (then 0, 1,
     ``127.0.0.1:50051`` and ``"default"``). Iterating yields one epoch of
-    ``Batch`` objects; iterating again continues with the next epoch.
+    ``Batch`` objects; iterating again continues with the next epoch (after
+    a ``break``, with the rest of the same one: nothing is skipped).
     ``device=None`` gives numpy arrays (read-only, zero-copy); a torch device
     gives tensors on it (through pinned memory with non-blocking copies for
     CUDA). ``timeout`` bounds how long the client waits for a server (to
@@ -585,9 +586,15 @@ class BatchClient:
         Before the first batch (and with no ``load_state_dict``), the position
         is where the server will start this rank: the stored cursor of a job
         that has already run. The client opens its stream to learn it, so a
-        checkpoint taken before any batch never rewinds the rank.
+        checkpoint taken before any batch never rewinds the rank. After
+        ``close()`` (or a ``with`` block) it is where the client ended: after
+        the batches it consumed, at the held one if the block ended in an
+        exception.
         """
         with self._busy:
+            if self._ended_at_known_position():
+                assert self._next is not None
+                return self._state(*self._next)
             self._check_usable()
             self._consume_held()
             if self._next is None or self._replanned:
@@ -595,7 +602,20 @@ class BatchClient:
             if self._stream is not None:
                 self._stream.flush()
             assert self._next is not None
-            epoch, step = self._next
+            return self._state(*self._next)
+
+    def _ended_at_known_position(self) -> bool:
+        """Closed in this process, not fenced, with its position known: ``state_dict()`` needs no server."""
+        return (
+            self._closed
+            and self._pid == os.getpid()
+            and self._fence is None
+            and self._next is not None
+            and self._fingerprint is not None
+            and not self._replanned
+        )
+
+    def _state(self, epoch: int, step: int) -> dict[str, Any]:
         return {
             "version": STATE_VERSION,
             "job": self.job,
@@ -672,9 +692,11 @@ class BatchClient:
         ``Describe`` call reads only: any process may ask, without joining the
         job or fencing the rank's trainer). After ``load_state_dict`` in the
         middle of an epoch it is still the whole epoch's count, as a resumed
-        ``DataLoader``'s ``len`` is. Each epoch is packed anew, so epochs can
-        differ by a few batches: for a learning-rate schedule over several
-        epochs, add ``steps_in_epoch(e)`` for each. Raises as iterating would:
+        ``DataLoader``'s ``len`` is, and after a state taken on an epoch's
+        last batch it is that epoch's (the next iteration is its empty rest).
+        Each epoch is packed anew, so epochs can differ by a few batches: for
+        a learning-rate schedule over several epochs, add
+        ``steps_in_epoch(e)`` for each. Raises as iterating would:
         ``ServerUnavailableError`` after ``timeout``, ``BatchClientError`` for a
         job of another world size (unless ``elastic``: the job is then resized
         first, as the first batch would).
@@ -691,6 +713,10 @@ class BatchClient:
             epoch = _integer(epoch, "epoch", 0)
         with self._busy:
             self._check_usable()
+            if epoch is None and self._loaded_epoch is not None:
+                # the next iteration continues the loaded epoch: its empty rest, if the state
+                # was taken on its last batch (the server already starts the rank after it)
+                epoch = self._loaded_epoch
             info = self._describe(epoch)
             if info.world_size != self.world_size:
                 if not self.elastic or self._stream is not None:
@@ -1121,8 +1147,10 @@ class BatchClient:
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        if exc_type is not None:
-            self._held = None  # the trainer failed on it: not consumed, the next process gets it again
+        if exc_type is not None and self._held is not None:
+            # the trainer failed on it: not consumed, the next process (or a state_dict() taken
+            # now) gets it again
+            self._next, self._held = self._held, None
         self.close()
 
     def __del__(self) -> None:  # pragma: no cover - best effort
@@ -1318,6 +1346,13 @@ def _check_device(device: Any, pin: bool | None) -> None:
     if accelerated and not torch.cuda.is_available():
         what = f"device={device!r}" if target.type == "cuda" else "pin_memory=True"
         raise ValueError(f"{what} needs CUDA, and torch sees no CUDA device here")
+    if target.type == "meta":
+        raise ValueError("device='meta' holds no data: the batches would arrive as shapes only")
+    if target.type not in ("cpu", "cuda"):  # mps, xpu, ...: each fails in its own way when absent
+        try:
+            torch.empty(1, device=target)
+        except (RuntimeError, AssertionError, ValueError) as exc:
+            raise ValueError(f"device={device!r} cannot be used here: {exc}") from None
 
 
 def _to_torch(arrays: dict[str, Any], device: Any, pin: bool | None) -> dict[str, Any]:

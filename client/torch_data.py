@@ -83,7 +83,12 @@ class BatchDataset(IterableDataset[Batch]):
         return self.__dict__.copy()
 
     def __len__(self) -> int:
-        """``len(client)``: this rank's batches in the epoch, so ``len(DataLoader(...))`` works."""
+        """``len(client)``: this rank's batches in the current epoch, so ``len(DataLoader(...))`` works.
+
+        Epochs can differ by a few batches and ``DataLoader`` keeps the length
+        it was last told: ask again at each epoch's start (else torch warns in a
+        longer epoch), or use ``client.steps_in_epoch(e)``.
+        """
         return len(self.client)
 
     def state_dict(self) -> dict[str, Any]:

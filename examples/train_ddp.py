@@ -288,8 +288,8 @@ def read_run(run_dir: Path, world: int) -> RunLog:
 
 
 def moving_average(values: F64, span: int) -> F64:
-    """Centered mean over ``span`` steps (fewer at the ends)."""
-    kernel = np.ones(span)
+    """Centered mean over ``span`` steps (fewer at the ends; at most the run's length)."""
+    kernel = np.ones(max(1, min(span, len(values))))
     sums = np.convolve(values, kernel, mode="same")
     counts = np.convolve(np.ones_like(values), kernel, mode="same")
     out: F64 = sums / counts
@@ -736,6 +736,12 @@ def main(argv: list[str] | None = None) -> int:
         runs.append(read_run(run_dir, args.world_size))
         print(f"{mode}: {len(runs[-1].loss)} steps in {time.perf_counter() - began:.0f}s", flush=True)
     summary: dict[str, Any] = {}
+    shortest, needed = min(len(run.loss) for run in runs), args.skip + 2 * args.window
+    if shortest < needed:
+        print(
+            f"note: {shortest} steps; the figures below need at least --skip + 2 x --window = {needed} "
+            "(train longer, or lower --skip and --window)"
+        )
     print(f"\nloss minus its {args.trend}-step trend, steps {args.skip}+, windows of {args.window} steps")
     header = [
         "mode  ",

@@ -32,6 +32,7 @@ import pytest
 
 from ladle.client import BatchClient
 from ladle.client.errors import BatchClientError, FencedError, StateDictError
+from ladle.service.synth import make_dataset
 
 Server = Callable[..., Any]
 
@@ -99,6 +100,59 @@ def test_a_checkpoint_on_an_epochs_last_batch_resumes_into_that_epochs_empty_res
     seen = [[b.epoch for b in resumed] for _ in range(saved_epoch, 3)]  # epochs 1 (its rest) and 2
     resumed.close()
     assert seen == [[], [2] * total], [sorted(set(e)) for e in seen]
+
+
+def test_len_after_loading_a_state_on_an_epochs_last_batch_counts_that_epoch(
+    server_factory: Server, tmp_path: Path
+) -> None:
+    """The next iteration is the loaded epoch's empty rest, so ``len`` is that epoch's, not the next one's."""
+    dataset = tmp_path / "uneven"
+    make_dataset(dataset, 3000, seed=3, scale=1 / 16)
+    config = "--max-seq-len 8192 --bucket-bounds 0,770,1216,1728,2432,3296,8193 --token-budget 49152"
+    server = server_factory(
+        [*config.split(), "--max-batch-size", "64"], dataset=dataset
+    )  # 48, 48, 47 batches
+    with BatchClient(0, 1, server.address, "len-last") as c:
+        lengths = [c.steps_in_epoch(e) for e in range(3)]
+        assert lengths[1] != lengths[2], f"the dataset no longer has uneven epochs: {lengths}"
+        for _ in range(2):  # epochs 0 and 1, checkpointed after every step
+            for _ in c:
+                state = c.state_dict()
+    assert (state["epoch"], state["step"]) == (1, lengths[1])
+    with BatchClient(0, 1, server.address, "len-last") as resumed:
+        resumed.load_state_dict(state)
+        assert len(resumed) == lengths[1]
+        assert len(list(resumed)) == 0  # the rest of epoch 1
+        assert len(resumed) == lengths[2] == len(list(resumed))
+
+
+def test_state_dict_after_close_is_where_the_client_ended(module_server: Any) -> None:
+    """A final checkpoint taken after the ``with`` block (or after ``close()``) keeps the position."""
+    with BatchClient(0, 1, module_server.address, "after-close") as c:
+        assert steps(c, 3) == [0, 1, 2]
+    assert (c.state_dict()["epoch"], c.state_dict()["step"]) == (0, 3)
+
+    used: list[BatchClient] = []
+
+    def train() -> None:
+        with BatchClient(0, 1, module_server.address, "after-close") as c:
+            used.append(c)
+            for batch in c:
+                if batch.step == 5:
+                    raise RuntimeError("OOM")  # the with block does not consume the held batch
+
+    with pytest.raises(RuntimeError, match="OOM"):
+        train()
+    c = used[0]
+    failed = c.state_dict()
+    assert failed["step"] == 5, "a state taken after the failed block skips the batch the trainer failed on"
+    with BatchClient(0, 1, module_server.address, "after-close") as again:
+        again.load_state_dict(failed)
+        assert steps(again, 1) == [5]
+    unstarted = BatchClient(0, 1, module_server.address, "after-close-2")
+    unstarted.close()
+    with pytest.raises(BatchClientError, match="closed"):
+        unstarted.state_dict()  # its position was never learned
 
 
 def test_a_checkpoint_before_the_first_batch_holds_where_the_rank_starts(module_server: Any) -> None:
@@ -509,6 +563,13 @@ def test_a_device_torch_cannot_use_fails_in_the_constructor() -> None:
             BatchClient(0, 1, device="cuda:0")
         with pytest.raises(ValueError, match="pin_memory=True needs CUDA"):
             BatchClient(0, 1, device="cpu", pin_memory=True)
+    for other in ("mps", "xpu"):  # another accelerator torch was not built for, or has none of
+        available = getattr(getattr(torch, other, None), "is_available", lambda: False)()
+        if not available:
+            with pytest.raises(ValueError, match=f"device='{other}' cannot be used here"):
+                BatchClient(0, 1, device=other)
+    with pytest.raises(ValueError, match="holds no data"):
+        BatchClient(0, 1, device="meta")
     assert BatchClient(0, 1, device="cpu").timeout > 0
 
 

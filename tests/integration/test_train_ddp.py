@@ -12,6 +12,7 @@ import json
 import sys
 import sysconfig
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -98,12 +99,8 @@ def test_figure_and_summary(run: Path) -> None:
     assert "std of windowed loss" in output
 
 
-@pytest.mark.parametrize("cut", ["docs", "code"])
-def test_mix_dataset_cuts_and_shuffles(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cut: str) -> None:
-    """``--mix copyright`` with named documents: one tokenizer, ``--piece``-token pieces, shuffled rows.
-
-    ``--cut`` names the source cut into pieces (source 1: the documents, 0: the code).
-    """
+def load_example(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """``examples/train_ddp.py`` as a module."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("train_ddp", EXAMPLE)
@@ -112,6 +109,24 @@ def test_mix_dataset_cuts_and_shuffles(tmp_path: Path, monkeypatch: pytest.Monke
     example = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, "train_ddp", example)  # its dataclasses look themselves up there
     spec.loader.exec_module(example)
+    return example
+
+
+def test_a_run_shorter_than_the_trend_still_gets_its_figures(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--steps 10`` (a smoke test) with the default 64-step trend: a trend of the whole run, no crash."""
+    example = load_example(monkeypatch)
+    loss = np.linspace(3.0, 2.0, 15)
+    assert example.moving_average(loss, 64).shape == loss.shape
+    assert example.detrended(loss, 64).shape == loss.shape
+
+
+@pytest.mark.parametrize("cut", ["docs", "code"])
+def test_mix_dataset_cuts_and_shuffles(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cut: str) -> None:
+    """``--mix copyright`` with named documents: one tokenizer, ``--piece``-token pieces, shuffled rows.
+
+    ``--cut`` names the source cut into pieces (source 1: the documents, 0: the code).
+    """
+    example = load_example(monkeypatch)
     docs = [str(EXAMPLE.parents[1] / "README.md"), str(EXAMPLE.parents[1] / "docs" / "training.md")]
     args = example.parse_args(
         [
