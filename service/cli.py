@@ -625,12 +625,12 @@ def _redis_url(args: argparse.Namespace) -> str | None:
 
     A flag wins over the environment, for ``serve`` as for ``jobs``.
     """
-    if args.redis_url:
+    if args.redis_url is not None:
         return _check_redis_url(str(args.redis_url), "--redis-url")
     if getattr(args, "state", None):
         return None
-    url = os.environ.get(REDIS_URL_ENV) or None
-    return _check_redis_url(url, f"${REDIS_URL_ENV}") if url else None
+    url = os.environ.get(REDIS_URL_ENV)
+    return None if url is None else _check_redis_url(url, f"${REDIS_URL_ENV}")
 
 
 REDIS_SCHEMES: Final = ("redis", "rediss", "unix")
@@ -642,6 +642,14 @@ def _check_redis_url(url: str, where: str) -> str:
     Without a scheme, ``host:port`` would parse as the scheme ``host``. The
     value is echoed back only if it holds no ``@`` (so no password).
     """
+    if not url.strip():
+        # an empty Secret or an unset shell variable in a template: not a request for the embedded
+        # store, which would leave each replica with cursors of its own
+        raise ConfigError(
+            "redis_url",
+            f"{where} is set but empty: give the Redis URL (redis://host:6379/0), or leave it unset "
+            "for the embedded store",
+        )
     scheme, sep, _ = url.partition("://")
     if sep and scheme.lower() in REDIS_SCHEMES:
         return url

@@ -215,6 +215,21 @@ def test_a_redis_url_needs_its_scheme(
     assert "s3cret" not in err, "the password leaked into the output"
 
 
+@pytest.mark.parametrize("command", [["jobs"], ["serve", "no-such-dataset"]])
+def test_an_empty_redis_url_is_refused_not_taken_for_the_embedded_store(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path, command: list[str]
+) -> None:
+    """An empty Secret or unset shell variable gave each replica an embedded store of its own."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv(cli.REDIS_URL_ENV, "")
+    assert cli.main(command) == 2
+    assert "$LADLE_REDIS_URL is set but empty" in capsys.readouterr().err
+    monkeypatch.delenv(cli.REDIS_URL_ENV)
+    assert cli.main([*command, "--redis-url", ""]) == 2
+    assert "--redis-url is set but empty" in capsys.readouterr().err
+    assert not (tmp_path / ".ladle").exists(), "an embedded store was made"
+
+
 def test_a_listing_reads_the_file_as_it_is_beside_a_busy_writer(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
