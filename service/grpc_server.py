@@ -566,6 +566,9 @@ class BatchServicer:
             )
         except (JobNotFoundError, LadleError) as exc:
             await self._abort(context, exc)
+        except Exception as exc:  # a bug or an unexpected store answer: INTERNAL, counted, logged once
+            log.exception("Describe of job %s failed", _printable(request.job))
+            await self._abort(context, exc)
         raise AssertionError("unreachable")
 
     def _describe(
@@ -653,6 +656,10 @@ class BatchServicer:
             finally:
                 self._release(admitted)
         except LadleError as exc:
+            await self._abort(context, exc)
+            return
+        except Exception as exc:  # a bug or an unexpected store answer: INTERNAL, counted, logged once
+            log.exception("stream open failed: job=%s rank=%d", _printable(first.open.job), first.open.rank)
             await self._abort(context, exc)
             return
         key = (session.job.name, session.rank)

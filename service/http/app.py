@@ -108,7 +108,13 @@ def _error_response(exc: LadleError, *, for_page: bool = False) -> Response:
 
 
 class _CountErrors:
-    """ASGI middleware: every response of status >= 400 counts in ``ladle_errors_total{face="http"}``."""
+    """ASGI middleware: every response of status >= 400 counts in ``ladle_errors_total{face="http"}``.
+
+    It also answers an unexpected exception: logged once and a JSON 500,
+    counted like any other error. Left to Starlette's outermost handler, a 500
+    was neither counted (that handler runs outside this middleware) nor logged
+    once (it re-raises to uvicorn, which logs the traceback again).
+    """
 
     def __init__(self, app: ASGIApp, metrics: ServerMetrics) -> None:
         self.app = app
@@ -118,13 +124,25 @@ class _CountErrors:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        started = False
 
         async def watch(message: Message) -> None:
-            if message["type"] == "http.response.start" and message["status"] >= 400:
-                self.metrics.error("http", str(message["status"]))
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+                if message["status"] >= 400:
+                    self.metrics.error("http", str(message["status"]))
             await send(message)
 
-        await self.app(scope, receive, watch)
+        try:
+            await self.app(scope, receive, watch)
+        except Exception as exc:
+            log.exception("HTTP %s %s failed", scope.get("method"), scope.get("path"))
+            if started:  # half an answer is out: the connection is closed, as uvicorn does
+                self.metrics.error("http", "500")
+                return
+            body = ErrorBody(detail=f"internal error: {type(exc).__name__}", kind="internal")
+            await JSONResponse(body.model_dump(), status_code=500)(scope, receive, watch)
 
 
 def _summary(inspector: Inspector, state: JobState) -> dict[str, Any]:
@@ -247,12 +265,6 @@ def create_app(
         loc = [str(part) for part in first.get("loc", ()) if part not in ("query", "path")]
         error = ConfigError(".".join(loc) or "query", str(first.get("msg", "invalid request")))
         return HTMLResponse(page.render_error(error), status_code=422)
-
-    @app.exception_handler(Exception)
-    async def _crash(request: Request, exc: Exception) -> JSONResponse:
-        log.exception("HTTP %s %s failed", request.method, request.url.path)
-        body = ErrorBody(detail=f"internal error: {type(exc).__name__}", kind="internal")
-        return JSONResponse(body.model_dump(), status_code=500)
 
     def served_job(name: str) -> tuple[Job, JobState]:
         state = inspector.state(name)

@@ -309,3 +309,27 @@ def test_a_loopback_server_without_a_token_answers_only_local_names(inspector: i
         assert reply.json()["field"] == "host"
     open_app = create_app(inspector)  # a token, or a reachable host: no such check
     assert TestClient(open_app).get("/v1/jobs", headers={"host": "ladle.internal:8080"}).status_code == 200
+
+
+def test_an_unexpected_error_is_one_counted_logged_500(
+    inspector: insp.Inspector, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A 500 used to escape the error counter (an alert on 5xx never fired) and be logged twice."""
+
+    def broken(name: str) -> None:
+        raise KeyError("dataset_fingerprint")  # e.g. a malformed job in the store
+
+    monkeypatch.setattr(inspector, "state", broken)
+    metrics = ServerMetrics()
+    client = TestClient(create_app(inspector, metrics), raise_server_exceptions=False)
+    with caplog.at_level("ERROR"):
+        answer = client.get("/v1/jobs/j")
+    assert answer.status_code == 500
+    assert answer.json() == {"detail": "internal error: KeyError", "kind": "internal", "field": None}
+    assert len([r for r in caplog.records if r.exc_info]) == 1, [r.getMessage() for r in caplog.records]
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(metrics.exposition().decode())
+        for s in family.samples
+    }
+    assert samples["ladle_errors_total", (("code", "500"), ("face", "http"))] == 1
