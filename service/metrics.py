@@ -18,7 +18,15 @@ from bisect import bisect_left
 from collections.abc import Callable, Iterable
 from typing import Any, Final
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    Info,
+    ProcessCollector,
+    generate_latest,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -158,6 +166,16 @@ class _Served(Collector):
         )
 
 
+def _build() -> dict[str, str]:
+    import platform
+
+    import grpc
+
+    import ladle
+
+    return {"version": ladle.__version__, "python": platform.python_version(), "grpcio": grpc.__version__}
+
+
 class ServerMetrics:
     """Every metric of one server, in its own registry (``exposition`` renders them)."""
 
@@ -200,6 +218,8 @@ class ServerMetrics:
         )
         self.ready.set(1)
         self.registry.register(_Served(self))
+        ProcessCollector(registry=self.registry)  # process_*: RSS, CPU, open descriptors
+        Info("ladle_build", "The ladle release this server runs", registry=self.registry).info(_build())
 
     def stream(self, job: str, rank: int) -> StreamMeter:
         """The meter of a stream of ``rank`` of ``job`` that opens now (call on the event loop).

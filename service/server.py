@@ -30,6 +30,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+import ladle
 from ladle.proto import rpc
 
 from .assemble import Assembler
@@ -194,7 +195,15 @@ class BatchServer:
         self._watcher = threading.Thread(target=self._watch_readiness, name="ladle-readiness", daemon=True)
         self._watcher.start()
         # The store's repr names its file or its Redis URL with the password redacted.
-        log.info("serving %s on %s (store %r)", self.dataset_path, self.address, self._store)
+        log.info(
+            "serving %s on %s (ladle %s, dataset %s, config %s, store %r)",
+            self.dataset_path,
+            self.address,
+            ladle.__version__,
+            dataset.fingerprint,
+            self.config.fingerprint(),
+            self._store,
+        )
         return self
 
     async def _start(self) -> None:
@@ -420,20 +429,15 @@ def serve_forever(
     written: list[tuple[str, str]] = []
     try:
         with server:
-            print(f"ladle: serving on {server.address}", flush=True)
-            if server.http_url is not None:
-                print(f"ladle: inspect at {server.http_url}/", flush=True)
-                if http_ready_file:
-                    written.append((http_ready_file, _join(server.host, server.http_port)))
-                    _write_atomically(*written[-1])
-            if ready_file:
-                written.append((ready_file, server.address))
-                _write_atomically(*written[-1])
-            # In slices: a signal the kernel hands to another thread (gRPC's, the loop's) only
-            # marks Python's handler as due, and a main thread asleep in one long wait would
-            # never run it (SIGQUIT was lost so, a test's server never stopped).
-            while not done.wait(_SIGNAL_POLL_S):
-                pass
+            if done.is_set():  # a stop signal came while it started: no announcement, no ready file
+                log.info("stopping: the stop signal came during start-up")
+            else:
+                _announce(server, written, ready_file, http_ready_file)
+                # In slices: a signal the kernel hands to another thread (gRPC's, the loop's) only
+                # marks Python's handler as due, and a main thread asleep in one long wait would
+                # never run it (SIGQUIT was lost so, a test's server never stopped).
+                while not done.wait(_SIGNAL_POLL_S):
+                    pass
             # Shutting down: the ports go now. Removed while this server still holds them,
             # a file cannot yet be a successor's on the same port.
             _remove_ready_files(written)
@@ -443,7 +447,23 @@ def serve_forever(
             signal.pthread_sigmask(signal.SIG_BLOCK, unblocked)
         for s, handler in previous.items():
             signal.signal(s, handler)
+    log.info("stopped")  # a clean end, told apart from a kill in the log
     return 0
+
+
+def _announce(
+    server: BatchServer, written: list[tuple[str, str]], ready_file: str | None, http_ready_file: str | None
+) -> None:
+    """Print where the server serves and write the ready files (recorded in ``written``), HTTP's first."""
+    print(f"ladle: serving on {server.address}", flush=True)
+    if server.http_url is not None:
+        print(f"ladle: inspect at {server.http_url}/", flush=True)
+        if http_ready_file:
+            written.append((http_ready_file, _join(server.host, server.http_port)))
+            _write_atomically(*written[-1])
+    if ready_file:
+        written.append((ready_file, server.address))
+        _write_atomically(*written[-1])
 
 
 def _blocked_signals() -> set[int]:

@@ -333,3 +333,14 @@ def test_an_unexpected_error_is_one_counted_logged_500(
         for s in family.samples
     }
     assert samples["ladle_errors_total", (("code", "500"), ("face", "http"))] == 1
+
+
+def test_the_metrics_name_the_release_and_the_process() -> None:
+    """What an operator needs to tell replicas apart and watch the process: no per-job series needed."""
+    import ladle
+
+    body = ServerMetrics().exposition().decode()
+    assert 'ladle_build_info{grpcio="' in body
+    assert f'version="{ladle.__version__}"' in body
+    for name in ("process_resident_memory_bytes", "process_open_fds", "process_cpu_seconds_total"):
+        assert f"\n{name} " in body, name

@@ -116,7 +116,37 @@ def test_a_second_signal_cuts_the_grace_short(tmp_path: Path, caplog: pytest.Log
     assert messages == [
         f"signal {int(signal.SIGTERM)}: shutting down (grace 30.0s)",
         f"signal {int(signal.SIGINT)}: second signal: stopping now",
+        "stopped",  # a clean end: a kill leaves no such line
     ], messages
+
+
+class SlowStartServer(FakeServer):
+    """A server whose start (opening the dataset, binding) takes a while: a SIGTERM comes meanwhile."""
+
+    def __enter__(self) -> FakeServer:
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.2)  # the handler runs on the main thread during the start
+        return self
+
+
+@pytest.mark.usefixtures("fallback")
+def test_a_stop_signal_during_start_up_announces_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
+) -> None:
+    """It used to print "serving", write the ready files and only then stop."""
+    ready, http_ready = tmp_path / "ready", tmp_path / "http"
+    with caplog.at_level(logging.INFO, logger="ladle.server"):
+        code = server_module.serve_forever(
+            SlowStartServer(),  # type: ignore[arg-type]
+            ready_file=str(ready),
+            http_ready_file=str(http_ready),
+        )
+    assert code == 0
+    assert "serving on" not in capsys.readouterr().out
+    assert not ready.exists()
+    assert not http_ready.exists()
+    messages = [r.getMessage() for r in caplog.records if r.name == "ladle.server"]
+    assert messages[-2:] == ["stopping: the stop signal came during start-up", "stopped"], messages
 
 
 @pytest.mark.usefixtures("fallback")
