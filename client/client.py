@@ -918,7 +918,8 @@ class BatchClient:
                 start.schedule_fingerprint,
             )
         if self._next is None and (start.epoch, start.step) != (0, 0):  # not a reconnect, not a load
-            log.info(
+            # a warning: a new run under an old name, or a restart whose model did not restart with it
+            log.warning(
                 "rank %d: job %r continues at epoch %d step %d, where the store left it (a restart "
                 "without load_state_dict; use another job name for a new run)",
                 self.rank,

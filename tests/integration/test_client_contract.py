@@ -609,9 +609,9 @@ def test_a_run_that_names_no_job_is_warned_and_a_resume_is_logged(
         with BatchClient(0, 1, module_server.address) as second:
             assert steps(second, 1) == [4]
     warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
-    assert len(warnings) == 1, warnings  # once a process
+    assert len(warnings) == 2, warnings  # the missing name once a process, and the resume
     assert "no job given" in warnings[0]
-    assert "job 'default' continues at epoch 0 step 4, where the store left it" in caplog.text
+    assert "job 'default' continues at epoch 0 step 4, where the store left it" in warnings[1]
     caplog.clear()
     with (
         caplog.at_level("INFO", logger="ladle.client"),
