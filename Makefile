@@ -4,17 +4,27 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+RUN_STAMP := $(VENV)/.installed-run
+SOURCES := pyproject.toml constraints-dev.txt service/_frame.c service/schedule/_grid.c proto/_codec.c
 DATA := data
 SAMPLE := $(DATA)/sample
 DEMO_ROWS ?= 200000
 
 .PHONY: setup lock redis-server chromium demo test lint typecheck unit bench bench-full clean
 
-$(STAMP): pyproject.toml constraints-dev.txt service/_frame.c service/schedule/_grid.c proto/_codec.c
+# Everything the tests, the benchmarks and the examples use (torch among them).
+$(STAMP): $(SOURCES)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -e '.[dev]' -c constraints-dev.txt
-	touch $(STAMP)
+	touch $(STAMP) $(RUN_STAMP)
+
+# What ladle itself needs (no torch, no test tools): all `make demo` installs on a fresh machine.
+$(RUN_STAMP): $(SOURCES)
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e . -c constraints-dev.txt
+	touch $(RUN_STAMP)
 
 setup: $(STAMP)
 
@@ -42,7 +52,7 @@ chromium:
 # The whole system on this machine: a production-like sample dataset (made
 # once), the plan beside a random shuffle, then a server and 4 trainer
 # processes reading one epoch through BatchClient, with the exact-once check.
-demo: setup
+demo: $(RUN_STAMP)
 	test -d $(SAMPLE) || $(BIN)/ladle make-dataset $(SAMPLE) --rows $(DEMO_ROWS) --seed 0
 	$(BIN)/ladle plan $(SAMPLE) --world-size 8 --compare random --simulate-loss
 	$(BIN)/ladle demo --dataset $(SAMPLE) --world-size 4

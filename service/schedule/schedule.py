@@ -70,7 +70,8 @@ class Cut:
         return (
             f"{self.samples:,} of {self.rows:,} samples are longer than max_seq_len={self.max_seq_len} and "
             f"are served cut to it: {self.tokens_cut:,} of {self.tokens:,} tokens ({share:.1%}) are never "
-            "trained on; raise --max-seq-len, or --overlong drop (leave them out) or error (refuse them)"
+            "trained on; raise --max-seq-len (with a last --bucket-bounds edge above it, or --bucket-bounds "
+            "auto), or --overlong drop (leave them out) or error (refuse them)"
         )
 
 
