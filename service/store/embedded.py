@@ -244,7 +244,28 @@ class EmbeddedStore(CursorStore):
     # --- connections and transactions --------------------------------------
 
     def _unavailable(self, exc: sqlite3.Error) -> StoreUnavailableError:
-        return StoreUnavailableError(f"cursor store {self.path}: {exc}")
+        return StoreUnavailableError(f"cursor store {self.path}: {exc}{self._permission_hint(exc)}")
+
+    def _permission_hint(self, exc: sqlite3.Error) -> str:
+        """Which of the file and its folder this process cannot write, when SQLite's words do not say.
+
+        SQLite says "attempt to write a readonly database" for a writable file
+        in a folder it cannot write (WAL mode keeps ``-wal`` and ``-shm``
+        beside the file), which sends an operator to chmod the wrong thing.
+        """
+        text = str(exc)
+        if "readonly database" not in text and "unable to open database file" not in text:
+            return ""
+        who = f"uid {os.geteuid()}" if hasattr(os, "geteuid") else "this process"
+        folder = os.path.dirname(self._abspath)
+        if not os.access(folder, os.W_OK | os.X_OK):
+            return (
+                f" (its folder {folder} is not writable by {who}: SQLite's WAL mode writes "
+                f"{os.path.basename(self._abspath)}-wal and -shm beside the file)"
+            )
+        if os.path.exists(self._abspath) and not os.access(self._abspath, os.W_OK):
+            return f" (the file is not writable by {who})"
+        return ""
 
     def _check_path(self) -> None:
         """Refuse, before SQLite opens it, a path that is no regular file (or, read-only, none at all)."""

@@ -761,3 +761,25 @@ def test_a_read_only_store_reads_a_file_in_a_folder_it_cannot_write(tmp_path: Pa
         assert sorted(p.name for p in folder.iterdir()) == [DB]
     finally:
         folder.chmod(0o755)
+
+
+def test_a_permission_error_names_what_is_not_writable(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SQLite says "readonly database" for a writable file in a read-only folder: the message says which."""
+    from ladle.service.store import embedded
+
+    path = tmp_path / "state.db"
+    store = EmbeddedStore(path)
+    store.close()
+    readonly = sqlite3.OperationalError("attempt to write a readonly database")
+    writable = {str(path)}  # the file is writable, its folder is not
+    monkeypatch.setattr(embedded.os, "access", lambda p, mode: str(p) in writable)
+    message = str(store._unavailable(readonly))
+    assert f"its folder {tmp_path} is not writable by uid {os.geteuid()}" in message, message
+    assert "state.db-wal and -shm" in message
+    writable = {str(tmp_path)}  # now the folder is, the file is not
+    assert "(the file is not writable by uid" in str(store._unavailable(readonly))
+    writable |= {str(path)}
+    assert "writable" not in str(store._unavailable(readonly)), "a hint where nothing is wrong"
+    assert "writable" not in str(store._unavailable(sqlite3.OperationalError("disk I/O error")))
