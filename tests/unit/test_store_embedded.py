@@ -767,14 +767,12 @@ def test_a_permission_error_names_what_is_not_writable(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """SQLite says "readonly database" for a writable file in a read-only folder: the message says which."""
-    from ladle.service.store import embedded
-
     path = tmp_path / "state.db"
     store = EmbeddedStore(path)
     store.close()
     readonly = sqlite3.OperationalError("attempt to write a readonly database")
     writable = {str(path)}  # the file is writable, its folder is not
-    monkeypatch.setattr(embedded.os, "access", lambda p, mode: str(p) in writable)
+    monkeypatch.setattr(os, "access", lambda p, mode: str(p) in writable)
     message = str(store._unavailable(readonly))
     assert f"its folder {tmp_path} is not writable by uid {os.geteuid()}" in message, message
     assert "state.db-wal and -shm" in message
