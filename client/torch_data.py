@@ -13,6 +13,7 @@ the first.
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
+from types import TracebackType
 from typing import Any
 
 from torch.utils.data import IterableDataset, get_worker_info
@@ -100,3 +101,13 @@ class BatchDataset(IterableDataset[Batch]):
     def close(self) -> None:
         if self._client is not None:
             self._client.close()
+
+    def __enter__(self) -> BatchDataset:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        """As ``BatchClient``'s: left by an exception, the batch the trainer failed on is not consumed."""
+        if self._client is not None:
+            self._client.__exit__(exc_type, exc, tb)

@@ -104,3 +104,26 @@ def test_a_dataloader_that_batches_again_says_what_to_do(server_factory: Callabl
             next(iter(torch.utils.data.DataLoader(data)))
     finally:
         data.close()
+
+
+def test_the_dataset_is_a_context_manager_like_its_client(server_factory: Callable[..., Any]) -> None:
+    """Left by an exception the batch the trainer failed on is not consumed; a clean exit consumes it."""
+    server = server_factory()
+
+    def train(fail_at: int | None, stop_at: int, seen: list[int]) -> None:
+        with BatchDataset(0, 1, server.address, "dl-with", timeout=30) as data:
+            for batch in torch.utils.data.DataLoader(data, batch_size=None, num_workers=0):
+                seen.append(batch.step)
+                if batch.step == fail_at:
+                    raise RuntimeError("OOM")
+                if batch.step == stop_at:
+                    break
+
+    first: list[int] = []
+    with pytest.raises(RuntimeError, match="OOM"):
+        train(3, 99, first)
+    second: list[int] = []
+    train(None, 5, second)
+    assert (first, second) == ([0, 1, 2, 3], [3, 4, 5]), "the failed batch was consumed, or one was lost"
+    with BatchDataset(0, 1, server.address, "dl-with", timeout=30) as data:
+        assert next(iter(data)).step == 6, "a clean exit did not consume the last batch"
