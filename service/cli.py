@@ -80,8 +80,15 @@ def config_from_args(args: argparse.Namespace) -> ScheduleConfig:
     return ScheduleConfig.from_mapping(overrides)
 
 
+def _version() -> str:
+    import ladle
+
+    return ladle.__version__
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ladle", description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--version", action="version", version=f"ladle {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     plan = sub.add_parser("plan", help="print the per-bucket table and the schedule's quality figures")
@@ -551,7 +558,14 @@ def _health(args: argparse.Namespace) -> int:
                 print(f"{target}: no service {args.service!r} (the server does not know it)")
                 return 1
             detail = exc.details() or ""
-            print(f"ladle: error: {target}: {code.name}: {detail}", file=sys.stderr)
+            hint = ""
+            if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                hint = (
+                    " (TLS: check --tls-ca, the server's name or --tls-server-name, and that it serves TLS)"
+                    if credentials is not None
+                    else " (is it running, is that its gRPC port, and if it serves TLS, --tls-ca or --tls?)"
+                )
+            print(f"ladle: error: {target}: {code.name}: {detail}{hint}", file=sys.stderr)
             return 2
     status = health_pb2.HealthCheckResponse.ServingStatus.Name(answer.status)
     print(f"{target} {service}: {status}")
@@ -682,6 +696,9 @@ def _jobs(args: argparse.Namespace) -> int:
             if not args.force:
                 live = _live_jobs(store, args.delete, time.time())
                 for name, ago in live.items():
+                    if isinstance(ago, LadleError):  # when its ranks were seen cannot be read
+                        print(f"ladle: error: {ago}", file=sys.stderr)
+                        continue
                     # The store cannot tell trainers that stopped cleanly from running ones: say both.
                     print(
                         f"ladle: error: job {name!r} has ranks seen {ago:.0f} s ago: if its trainers are "
@@ -711,13 +728,22 @@ def _jobs(args: argparse.Namespace) -> int:
     return 0
 
 
-def _live_jobs(store: Any, names: Sequence[str], now: float) -> dict[str, float]:
-    """The named jobs with a rank seen within ``LIVE_WINDOW_S`` of ``now``: how many seconds ago."""
-    live = {}
+def _live_jobs(store: Any, names: Sequence[str], now: float) -> dict[str, float | LadleError]:
+    """The named jobs with a rank seen within ``LIVE_WINDOW_S`` of ``now``: how many seconds ago.
+
+    A job whose stored record cannot be read is among them, with the error: whether its trainers
+    run cannot be told, so only ``--force`` deletes it (its error says so).
+    """
+    from .errors import StoreCorruptError
+
+    live: dict[str, float | LadleError] = {}
     for name in names:
         try:
             job = store.get(name)
         except JobNotFoundError:
+            continue
+        except StoreCorruptError as exc:
+            live[name] = exc
             continue
         ago = max(0.0, now - max([job.updated, *(r.last_seen for r in job.ranks)]))
         if ago < LIVE_WINDOW_S:

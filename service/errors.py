@@ -30,6 +30,7 @@ __all__ = [
     "OverlongSampleError",
     "ScheduleBusyError",
     "ScheduleError",
+    "StoreCorruptError",
     "StoreError",
     "StoreUnavailableError",
     "TextSourceError",
@@ -242,6 +243,32 @@ class StoreUnavailableError(StoreError):
     """The backing store cannot be reached or used now (locked too long, I/O error, closed)."""
 
     kind = "unavailable"
+
+
+class StoreCorruptError(StoreError):
+    """A job's stored record cannot be read as this ladle writes it; nothing was changed.
+
+    ``key`` names where it lies in the store (a Redis key), ``field`` what is
+    wrong in it (a field of the job, or a rank), ``detail`` how. Not
+    transient: the record stays unreadable until it is deleted.
+    """
+
+    reason = "store_corrupt"
+
+    def __init__(self, job: str, key: str, field: str, detail: str) -> None:
+        self.job = job
+        self.key = key
+        self.field = field
+        self.detail = detail
+        super().__init__(
+            f"job {job!r} cannot be read from the cursor store: {key} {detail} (written by another "
+            "ladle version or another tool, or edited by hand?); no trainer can resume it as it is: "
+            f"delete it with `ladle jobs --delete {job} --force` (naming the server's store: --redis-url "
+            "URL or --state FILE) and start it again"
+        )
+
+    def __reduce__(self) -> tuple[type[StoreCorruptError], tuple[str, str, str, str]]:
+        return (type(self), (self.job, self.key, self.field, self.detail))
 
 
 class JobNotFoundError(StoreError):

@@ -15,6 +15,10 @@ Cluster hash tag so that all of a job's keys share one slot:
 * ``ladle:{run-42}:ranks``: a hash with one field per rank (``"3"``) holding
   ``"epoch,step,generation,last_seen"``.
 
+Keys that do not follow this layout (a hand edit, another tool, another
+version) raise ``StoreCorruptError`` naming the key and field, for that job
+only: listings leave such a job out, with one warning.
+
 Integers travel as decimal strings and are compared in Lua as doubles, exact
 up to ``MAX_INDEX`` (2**53 - 1); times are written as Python's ``repr`` of the
 float and read back bit for bit. Every successful write refreshes a TTL of
@@ -42,7 +46,14 @@ import redis.exceptions as rex
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from ..errors import ConfigError, JobNotFoundError, StoreError, StoreUnavailableError, WorldSizeMismatchError
+from ..errors import (
+    ConfigError,
+    JobNotFoundError,
+    StoreCorruptError,
+    StoreError,
+    StoreUnavailableError,
+    WorldSizeMismatchError,
+)
 from . import DEFAULT_JOB_TTL_S
 from .base import (
     Clock,
@@ -221,14 +232,56 @@ return existed
 """
 
 
+# What to tell an operator whose URL's userinfo does not parse. The command reads the password from
+# its input, so that it appears on no command line.
+PERCENT_ENCODE_HINT: Final = (
+    "percent-encode reserved characters in the password: / as %2F, # as %23, ? as %3F, % as %25, "
+    "@ as %40 (and : in a user name as %3A), e.g. with "
+    "python3 -c 'import urllib.parse; print(urllib.parse.quote(input(), safe=\"\"))'"
+)
+
+
+def _misread_userinfo(url: str) -> tuple[str, str, str] | None:
+    """``(head, userinfo, tail)`` of a URL whose userinfo ``urlsplit`` would not read as one; else None.
+
+    ``urlsplit`` ends the authority at the first ``/``, ``?`` or ``#`` after
+    ``://``: one written unencoded in a password cuts the userinfo short, and
+    the rest of the password lands in the port, path or query. Such a URL (or
+    one ``urlsplit`` refuses, or one without ``://``) holding an ``@`` is
+    taken as ``head`` (the scheme and ``://``), ``userinfo`` (everything up
+    to the last ``@``) and ``tail`` (the host and what follows it).
+    """
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        scheme, rest = "", url
+    userinfo, at, tail = rest.rpartition("@")
+    if not at:
+        return None
+    authority = re.match(r"[^/?#]*", rest)
+    if sep and authority is not None and len(authority.group()) > len(userinfo):
+        try:
+            urlsplit(url)
+            return None  # the last @ lies inside the authority: a userinfo urlsplit reads
+        except ValueError:
+            pass  # brackets in the userinfo read as an IPv6 address
+    return scheme + sep, userinfo, tail
+
+
 def redact_url(url: str) -> str:
     """``url`` with every password in it replaced by ``***``.
 
     That is the userinfo's password and the value of every query parameter
     whose name contains ``password`` (``password=``, ``ssl_password=``, in any
     case or %-encoding): redis-py hands unknown query keys to the connection,
-    so any of them may carry a secret.
+    so any of them may carry a secret. A userinfo that does not parse (an
+    unencoded ``/``, ``?`` or ``#`` in the password) is replaced whole:
+    everything between ``://`` and the last ``@``.
     """
+    misread = _misread_userinfo(url)
+    if misread is not None:
+        head, _, tail = misread
+        host, mark, query = tail.partition("?")
+        return f"{head}***@{host}{mark}{_redact_query(query)}"
     try:
         parts = urlsplit(url)
     except ValueError:
@@ -239,12 +292,16 @@ def redact_url(url: str) -> str:
         if ":" in userinfo:
             user = userinfo.split(":", 1)[0]
             netloc = f"{user}:***@{hostinfo}"
-    query = "&".join(_redact_parameter(p) for p in parts.query.split("&")) if parts.query else ""
+    query = _redact_query(parts.query)
     # Rebuilt by hand: urlunsplit drops the empty authority of unix:///path.
     text = f"{parts.scheme}://{netloc}{parts.path}" if parts.scheme else url
     if query:
         text += f"?{query}"
     return text + (f"#{parts.fragment}" if parts.fragment else "")
+
+
+def _redact_query(query: str) -> str:
+    return "&".join(_redact_parameter(p) for p in query.split("&")) if query else ""
 
 
 def _redact_parameter(parameter: str) -> str:
@@ -253,17 +310,45 @@ def _redact_parameter(parameter: str) -> str:
     return f"{name}=***" if sep and "password" in unquote_plus(name).lower() else parameter
 
 
+def _url_secrets(url: str) -> tuple[str, ...]:
+    """Every text of ``url`` that an error echoing it must not show, longest first.
+
+    The password as written and as decoded, the first query parameter whose
+    name holds ``password`` (as ``redact_url`` hides it), and for a userinfo
+    that does not parse, the whole of it and each piece between reserved
+    characters (a parse error quotes such a piece: "as 'Kq3'").
+    """
+    secrets: set[str] = set()
+    misread = _misread_userinfo(url)
+    if misread is not None:
+        userinfo = misread[1]
+        password = userinfo.partition(":")[2] or userinfo  # the user name is no secret
+        secrets.update((userinfo, unquote(userinfo), password))
+        secrets.update(piece for piece in re.split(r"[:/?#@\[\]]", password) if len(piece) >= 3)
+    else:
+        try:
+            parts = urlsplit(url)
+        except ValueError:
+            return ()
+        if parts.password:
+            secrets.update((parts.password, unquote(parts.password)))
+        # the first query parameter whose name holds "password" (password=, ssl_password=)
+        match = re.search(r"(?i)(?:^|&)[^&=]*password[^&=]*=([^&]*)", parts.query)
+        if match and match.group(1):
+            secrets.update((match.group(1), unquote(match.group(1))))
+    return tuple(sorted((s for s in secrets if s), key=len, reverse=True))
+
+
 def _url_password(url: str) -> str | None:
-    """The password in ``url``, if any (to scrub it from any text that might echo it)."""
+    """The password ``url`` gives redis-py, as written (not decoded): the userinfo's, else ``password=``."""
     try:
         parts = urlsplit(url)
     except ValueError:
         return None
     if parts.password:
-        return unquote(parts.password)
-    # the first query parameter whose name holds "password" (password=, ssl_password=), as redact_url hides
-    match = re.search(r"(?i)(?:^|&)[^&=]*password[^&=]*=([^&]*)", parts.query)
-    return unquote(match.group(1)) if match and match.group(1) else None
+        return parts.password
+    match = re.search(r"(?i)(?:^|&)password=([^&]*)", parts.query)
+    return match.group(1) if match and match.group(1) else None
 
 
 def redis_client(
@@ -295,35 +380,105 @@ def _ms(seconds: float) -> int:
     return max(1, math.ceil(seconds * 1000)) if seconds > 0 else 0
 
 
-def _rank_state(rank: int, value: str) -> RankState:
-    epoch, step, generation, last_seen = value.split(",")
-    return RankState(rank, Position(int(epoch), int(step)), int(generation), float(last_seen))
+# --- reading a job's hashes --------------------------------------------------------
+# What Redis holds is whatever was written there: another ladle version, another tool, a hand
+# edit, a half-restored backup. Every read of a field names the key and field it could not read
+# (StoreCorruptError), never a KeyError from deep inside.
 
 
 def _fields(flat: list[str]) -> dict[str, str]:
     return dict(zip(flat[::2], flat[1::2], strict=True))
 
 
-def _spec(job: str, fields: dict[str, str], world_size: int | None = None) -> JobSpec:
-    return JobSpec(
-        job,
-        fields["dataset_fingerprint"],
-        fields["config_fingerprint"],
-        int(fields["world_size"]) if world_size is None else world_size,
-    )
+def _shown(value: str) -> str:
+    """A stored value for a message: quoted, and cut if long."""
+    return repr(value if len(value) <= 60 else value[:57] + "...")
 
 
-def _job_state(job: str, job_flat: list[str], ranks_flat: list[str]) -> JobState:
-    fields = _fields(job_flat)
-    ranks = sorted((int(rank), value) for rank, value in _fields(ranks_flat).items())
-    return JobState(
-        _spec(job, fields),
-        tuple(_rank_state(rank, value) for rank, value in ranks),
-        float(fields["created"]),
-        float(fields["updated"]),
-        fields["incarnation"],
-        plan_from_json(fields["plan"]),
-    )
+def _unreadable(exc: rex.ResponseError) -> bool:
+    """Whether a script failed on what it read (a key of another type, a value it cannot parse), not on
+    Redis: ladle's scripts raise no error of their own."""
+    message = str(exc)
+    lua_failure = "attempt to" in message or "bad argument" in message  # Lua's own runtime errors
+    return message.startswith("WRONGTYPE") or ("user_script" in message and lua_failure)
+
+
+class _Record:
+    """One job's two hashes, as read by a script: ``keys`` are ``[job key, ranks key]``."""
+
+    def __init__(
+        self, job: str, keys: list[str], job_flat: list[str], ranks_flat: list[str] | None = None
+    ) -> None:
+        self.job = job
+        self.keys = keys
+        self.fields = _fields(job_flat)
+        self.ranks_flat = ranks_flat or []
+
+    def corrupt(self, field: str, detail: str, *, key: int = 0) -> StoreCorruptError:
+        return StoreCorruptError(self.job, self.keys[key], field, detail)
+
+    def text(self, field: str) -> str:
+        value = self.fields.get(field)
+        if value is None:
+            raise self.corrupt(field, f"lacks the field {field}")
+        return value
+
+    def integer(self, field: str) -> int:
+        value = self.text(field)
+        try:
+            return int(value)
+        except ValueError:
+            raise self.corrupt(field, f"holds {field}={_shown(value)}, not an integer") from None
+
+    def real(self, field: str) -> float:
+        value = self.text(field)
+        try:
+            return float(value)
+        except ValueError:
+            raise self.corrupt(field, f"holds {field}={_shown(value)}, not a number") from None
+
+    def spec(self, world_size: int | None = None) -> JobSpec:
+        size = self.integer("world_size") if world_size is None else world_size
+        try:
+            return JobSpec(self.job, self.text("dataset_fingerprint"), self.text("config_fingerprint"), size)
+        except ConfigError as exc:
+            raise self.corrupt(exc.field, f"holds an invalid {exc}") from None
+
+    def plan(self, text: str | None = None) -> tuple[Resize, ...]:
+        text = self.text("plan") if text is None else text
+        try:
+            return plan_from_json(text)
+        except (ValueError, TypeError):  # not JSON, or not a list of [world_size, [[epoch, step]...]]
+            raise self.corrupt("plan", f"holds plan={_shown(text)}, not a resize history") from None
+
+    def ranks(self, world_size: int) -> tuple[RankState, ...]:
+        stored = _fields(self.ranks_flat)
+        if len(stored) != world_size or any(str(rank) not in stored for rank in range(world_size)):
+            wanted = {str(rank) for rank in range(world_size)}
+            missing = sorted(wanted - stored.keys(), key=int)
+            others = sorted(stored.keys() - wanted)
+            what = f"lacks rank(s) {', '.join(missing[:5])}" if missing else f"holds fields {others[:5]}"
+            raise self.corrupt("ranks", f"{what}, for world_size {world_size}", key=1)
+        return tuple(self._rank(rank, stored[str(rank)]) for rank in range(world_size))
+
+    def _rank(self, rank: int, value: str) -> RankState:
+        try:
+            epoch, step, generation, last_seen = value.split(",")
+            return RankState(rank, Position(int(epoch), int(step)), int(generation), float(last_seen))
+        except ValueError:
+            detail = f"holds rank {rank} as {_shown(value)}, not epoch,step,generation,last_seen"
+            raise self.corrupt(str(rank), detail, key=1) from None
+
+    def state(self) -> JobState:
+        spec = self.spec()
+        return JobState(
+            spec,
+            self.ranks(spec.world_size),
+            self.real("created"),
+            self.real("updated"),
+            self.text("incarnation"),
+            self.plan(),
+        )
 
 
 class RedisCursorStore(CursorStore):
@@ -333,7 +488,8 @@ class RedisCursorStore(CursorStore):
     or ``unix:///path/to.sock?db=N``; redis-py parses it and uses hiredis when
     it is installed. The constructor pings Redis, so a wrong password or an
     unreachable server fails at start-up with ``StoreUnavailableError``
-    within ``socket_timeout_s``; later, a Redis that is down makes each call
+    within ``socket_timeout_s`` (and a replica with ``StoreError``); later,
+    a Redis that is down makes each call
     fail the same way (after at most one connect attempt, never a retry
     loop: a script that reached Redis before the connection broke must not
     run twice). Messages and ``repr`` name the URL with its password
@@ -365,6 +521,7 @@ class RedisCursorStore(CursorStore):
             raise ConfigError("socket_timeout_s", f"must be > 0, got {socket_timeout_s!r}")
         self._url = url
         self.url = redact_url(url)
+        self._secrets = _url_secrets(url)
         self._password = _url_password(url)
         self.namespace = namespace
         self.job_ttl_s = check_job_ttl(job_ttl_s)
@@ -373,12 +530,23 @@ class RedisCursorStore(CursorStore):
         self._ttl = str(_ms(self.job_ttl_s))
         self._closed = False
         self._close_lock = threading.Lock()
+        self._left_out_jobs: set[tuple[str, str, str]] = set()
+        if "://" in url and _misread_userinfo(url) is not None:
+            # redis-py would read part of the password as the port, path or query (and its message
+            # would quote it), or connect elsewhere: say what is wrong, in words of our own
+            raise ConfigError(
+                "redis_url",
+                f"{self.url}: cannot be read: an @ lies past the end of the host part, as when the "
+                "password holds an unencoded /, ?, # or [ ] (an @ in a query value or a socket path: "
+                f"write it as %40); {PERCENT_ENCODE_HINT}",
+            )
         try:
             self._redis = redis_client(
                 url, socket_timeout_s=self.socket_timeout_s, max_connections=max_connections
             )
         except (ValueError, TypeError) as exc:
-            raise ConfigError("redis_url", f"{self.url}: {self._scrub(str(exc))}") from None
+            hint = f"; {PERCENT_ENCODE_HINT}" if "@" in url else ""
+            raise ConfigError("redis_url", f"{self.url}: {self._scrub(str(exc))}{hint}") from None
         self._open_script = self._redis.register_script(_OPEN)
         self._join_script = self._redis.register_script(_JOIN)
         self._move_script = self._redis.register_script(_MOVE)
@@ -394,13 +562,19 @@ class RedisCursorStore(CursorStore):
 
     def _check_server(self) -> None:
         """At start-up: the scripts run (a user without EVALSHA failed every trainer later, each
-        after its whole timeout), and a Redis that evicts keys is named in a warning."""
+        after its whole timeout), the server is not a replica (it passed start-up and readiness, then
+        refused every write), and a Redis that evicts keys or keeps nothing on disk is named in a
+        warning. ROLE and CONFIG are often refused (ACLs, managed Redis): those checks are skipped."""
         with self._client() as client:
             self._get_script(keys=self._keys("ladle-start-up-check"), client=client)  # loads and runs
-            try:
-                policy = client.config_get("maxmemory-policy").get("maxmemory-policy")
-            except rex.RedisError:  # CONFIG is often disabled (managed Redis, ACLs): not ours to know
-                return
+            role = self._role(client)
+            config = {name: self._config(client, name) for name in ("maxmemory-policy", "appendonly", "save")}
+        if role in ("slave", "replica"):
+            raise StoreError(
+                f"cursor store {self.url} is a replica (ROLE {role}): it refuses every write; point "
+                "LADLE_REDIS_URL / --redis-url at the primary"
+            )
+        policy = config["maxmemory-policy"]
         if policy and policy != "noeviction":
             log.warning(
                 "cursor store %s: Redis evicts keys under memory pressure (maxmemory-policy %s), so it "
@@ -408,6 +582,35 @@ class RedisCursorStore(CursorStore):
                 self.url,
                 policy,
             )
+        if config["appendonly"] == "no" and config["save"] == "":
+            log.warning(
+                'cursor store %s: Redis keeps nothing on disk (appendonly no, save ""), so a restart '
+                "of Redis forgets every job; the trainers that are running put their cursors back, a "
+                "trainer down at that moment must resume from its checkpoint (docs/state.md); set "
+                "appendonly yes (deploy/redis.conf)",
+                self.url,
+            )
+
+    def _role(self, client: redis.Redis) -> str:
+        """The server's replication role (``master``, ``slave``...), or "" if it will not say."""
+        try:
+            return str(client.role()[0])
+        except rex.ResponseError as exc:  # refused by an ACL, or renamed: INFO may still say
+            log.debug("cursor store %s: ROLE refused (%s)", self.url, self._scrub(str(exc)))
+        try:
+            return str(client.info("replication").get("role", ""))
+        except rex.ResponseError as exc:
+            log.debug("cursor store %s: INFO replication refused (%s)", self.url, self._scrub(str(exc)))
+            return ""
+
+    def _config(self, client: redis.Redis, name: str) -> str | None:
+        """One setting of the server, or None if CONFIG GET is refused (ACLs, renamed, managed Redis)."""
+        try:
+            value = client.config_get(name).get(name)
+        except rex.ResponseError as exc:
+            log.debug("cursor store %s: CONFIG GET %s refused (%s)", self.url, name, self._scrub(str(exc)))
+            return None
+        return None if value is None else str(value)
 
     def __repr__(self) -> str:
         return f"RedisCursorStore({self.url!r}, namespace={self.namespace!r})"
@@ -433,8 +636,8 @@ class RedisCursorStore(CursorStore):
         return [prefix + "job", prefix + "ranks"]
 
     def _scrub(self, text: str) -> str:
-        if self._password:
-            text = text.replace(self._password, "***").replace(quote(self._password, safe=""), "***")
+        for secret in self._secrets:
+            text = text.replace(secret, "***").replace(quote(secret, safe=""), "***")
         return text
 
     def _unavailable(self, exc: rex.RedisError) -> StoreError:
@@ -448,10 +651,21 @@ class RedisCursorStore(CursorStore):
                 f"cursor store {self.url}: the URL gives a password but this Redis has none configured "
                 "(no requirepass); remove it from the URL or configure it on the server"
             )
+        if self._password is None and (first == "NOAUTH" or "Authentication required" in message):
+            return StoreUnavailableError(
+                f"cursor store {self.url}: the URL gives no password but Redis requires one ({message}); "
+                f"give it as redis://:PASSWORD@host:port/db; {PERCENT_ENCODE_HINT}"
+            )
         if isinstance(exc, rex.AuthenticationError) or first in ("WRONGPASS", "NOAUTH"):
+            decoded = ""
+            if self._password is not None and unquote(self._password) != self._password:
+                decoded = (
+                    "; the URL's password holds %-sequences, which are decoded (%2F is /): a % that is "
+                    "part of the password itself must be written %25"
+                )
             return StoreUnavailableError(
                 f"cursor store {self.url}: Redis refused the password ({message}); "
-                "check the password in the Redis URL"
+                f"check the password in the Redis URL{decoded}"
             )
         if isinstance(exc, rex.NoPermissionError) or first == "NOPERM":
             # not transient: a trainer that retried it waited out its whole timeout for nothing
@@ -459,10 +673,16 @@ class RedisCursorStore(CursorStore):
                 f"cursor store {self.url}: the Redis user lacks a permission ladle needs ({message}); "
                 "it runs Lua scripts (EVALSHA, SCRIPT LOAD) on its own keys (ladle:*)"
             )
+        if isinstance(exc, rex.ReadOnlyError) or first == "READONLY":
+            return StoreUnavailableError(
+                f"cursor store {self.url} refuses writes: it is a read-only replica ({message}); "
+                "point LADLE_REDIS_URL / --redis-url at the primary"
+            )
         if isinstance(exc, rex.ConnectionError | rex.TimeoutError):
-            return StoreUnavailableError(f"cursor store {self.url} cannot be reached: {message}")
-        if isinstance(exc, rex.ReadOnlyError | rex.OutOfMemoryError) or first in (
-            "READONLY",
+            return StoreUnavailableError(
+                f"cursor store {self.url} cannot be reached: {message}{self._tls_hint(exc)}"
+            )
+        if isinstance(exc, rex.OutOfMemoryError) or first in (
             "OOM",
             "MISCONF",
             "BUSY",
@@ -479,6 +699,21 @@ class RedisCursorStore(CursorStore):
             )
         return StoreError(f"cursor store {self.url}: Redis refused an operation: {message}")
 
+    def _tls_hint(self, exc: rex.RedisError) -> str:
+        """A hint when a failure to connect looks like TLS on one side only (redis:// vs rediss://)."""
+        message = str(exc).lower()
+        if self._url.lower().startswith("rediss://") and (
+            isinstance(exc, rex.TimeoutError) or "ssl" in message or "eof" in message
+        ):
+            # a plain Redis waits for a command while the client waits for a TLS handshake
+            return "; if that port speaks plain Redis (no TLS), use redis:// rather than rediss://"
+        if self._url.lower().startswith("redis://") and (
+            "reset by peer" in message or "closed by server" in message
+        ):
+            # a TLS port drops a client that starts with a plain command
+            return "; if that port speaks TLS, use rediss:// rather than redis://"
+        return ""
+
     @contextmanager
     def _client(self) -> Iterator[redis.Redis]:
         """The client, with every redis-py error turned into a ladle error (password scrubbed)."""
@@ -489,9 +724,29 @@ class RedisCursorStore(CursorStore):
         except rex.RedisError as exc:
             raise self._unavailable(exc) from None
 
+    def _record(self, job: str, job_flat: list[str], ranks_flat: list[str] | None = None) -> _Record:
+        return _Record(job, self._keys(job), job_flat, ranks_flat)
+
+    def _world_size(self, job: str, reply: list[str]) -> int:
+        """The stored world size a script returned as ``reply[1]`` (Lua ends a table at a nil: absent)."""
+        return self._record(job, ["world_size", reply[1]] if len(reply) > 1 else []).integer("world_size")
+
     def _run(self, script: Any, job: str, *args: str) -> Any:
         with self._client():
-            return script(keys=self._keys(job), args=args)
+            try:
+                return script(keys=self._keys(job), args=args)
+            except rex.ResponseError as exc:
+                if _unreadable(exc):
+                    raise self._corrupt(job, exc) from None
+                raise
+
+    def _corrupt(self, job: str, exc: rex.ResponseError) -> StoreCorruptError:
+        """The error for a script that failed on what it read from a job's keys."""
+        message = self._scrub(str(exc)).split(" script: ", 1)[0]
+        job_key, ranks_key = self._keys(job)
+        return StoreCorruptError(
+            job, job_key, "", f"(or {ranks_key}) holds what ladle's scripts cannot read (Redis: {message})"
+        )
 
     # --- the hooks, one script each --------------------------------------------
 
@@ -512,7 +767,7 @@ class RedisCursorStore(CursorStore):
             self._ttl,
         )
         if reply[0] == "exists":
-            state = _job_state(spec.job, reply[1], reply[2])
+            state = self._record(spec.job, reply[1], reply[2]).state()
             check_identity(state.spec, spec)
             return state
         ranks = tuple(RankState(rank, Position(0, 0), 0, now) for rank in range(spec.world_size))
@@ -540,18 +795,18 @@ class RedisCursorStore(CursorStore):
         if status == "missing":
             raise JobNotFoundError(job)
         if status == "same":
-            return _job_state(job, reply[1], reply[2])
+            return self._record(job, reply[1], reply[2]).state()
         if status == "world_size":
-            raise WorldSizeMismatchError(job, int(reply[1]), from_world_size)
-        fields = _fields(reply[1])
+            raise WorldSizeMismatchError(job, self._world_size(job, reply), from_world_size)
+        record = self._record(job, reply[1])
         plan, generation, at = reply[2], int(reply[3]), Position(int(reply[4]), 0)
         return JobState(
-            _spec(job, fields, to_world_size),
+            record.spec(to_world_size),
             tuple(RankState(rank, at, generation, now) for rank in range(to_world_size)),
-            float(fields["created"]),
+            record.real("created"),
             now,
-            fields["incarnation"],
-            plan_from_json(plan),
+            record.text("incarnation"),
+            record.plan(plan),
         )
 
     def _join(self, job: str, rank: int, world_size: int) -> RankState:
@@ -561,9 +816,9 @@ class RedisCursorStore(CursorStore):
         if status == "missing":
             raise JobNotFoundError(job)
         if status == "world_size":
-            raise WorldSizeMismatchError(job, int(reply[1]), world_size)
+            raise WorldSizeMismatchError(job, self._world_size(job, reply), world_size)
         if status == "rank":
-            raise rank_outside(rank, int(reply[1]))
+            raise rank_outside(rank, self._world_size(job, reply))
         return RankState(rank, Position(int(reply[1]), int(reply[2])), int(reply[3]), now)
 
     def _move(self, job: str, rank: int, generation: int, to: Position, mode: str) -> RankState:
@@ -583,8 +838,11 @@ class RedisCursorStore(CursorStore):
         if status == "missing":
             raise JobNotFoundError(job)
         if status == "rank":
-            raise rank_outside(rank, int(reply[1]))
+            raise rank_outside(rank, self._world_size(job, reply))
         if status == "fenced":
+            if len(reply) < 2:  # Lua ends a table at its first nil: the rank's value did not parse
+                detail = f"holds rank {rank} in a form that is not epoch,step,generation,last_seen"
+                raise self._record(job, []).corrupt(str(rank), detail, key=1)
             check_generation(job, rank, generation, int(reply[1]))
         if status == "regression":
             check_forward(job, rank, Position(int(reply[1]), int(reply[2])), to)
@@ -608,7 +866,7 @@ class RedisCursorStore(CursorStore):
         reply = self._run(self._get_script, job)
         if reply is None:
             raise JobNotFoundError(job)
-        return _job_state(job, reply[0], reply[1])
+        return self._record(job, reply[0], reply[1]).state()
 
     def _list_jobs(self) -> list[JobState]:
         """Every job of this namespace: SCAN for job keys, then read them all in one MULTI/EXEC.
@@ -631,8 +889,33 @@ class RedisCursorStore(CursorStore):
             pipe = client.pipeline(transaction=True)
             for name in names:
                 self._get_script(keys=self._keys(name), client=pipe)
-            replies = pipe.execute()
-        return [_job_state(name, r[0], r[1]) for name, r in zip(names, replies, strict=True) if r is not None]
+            replies = pipe.execute(raise_on_error=False)
+        jobs = []
+        for name, reply in zip(names, replies, strict=True):
+            try:
+                if isinstance(reply, rex.ResponseError) and _unreadable(reply):
+                    raise self._corrupt(name, reply)
+                if isinstance(reply, rex.RedisError):
+                    raise self._unavailable(reply)
+                if reply is not None:
+                    jobs.append(self._record(name, reply[0], reply[1]).state())
+            except StoreCorruptError as exc:
+                self._left_out(exc)
+        return jobs
+
+    def _left_out(self, exc: StoreCorruptError) -> None:
+        """Log a job a listing leaves out: at WARNING the first time this store meets it, then at DEBUG
+        (the page lists the jobs every few seconds)."""
+        seen = (exc.job, exc.key, exc.field)
+        first = seen not in self._left_out_jobs
+        if first and len(self._left_out_jobs) < 1000:
+            self._left_out_jobs.add(seen)
+        log.log(
+            logging.WARNING if first else logging.DEBUG,
+            "cursor store %s: left out of the listing: %s",
+            self.url,
+            exc,
+        )
 
     def _delete_job(self, job: str) -> bool:
         return bool(self._run(self._delete_script, job))

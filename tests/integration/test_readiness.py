@@ -270,12 +270,15 @@ def test_ladle_health_of_no_server_fails_within_its_timeout() -> None:
 def test_ladle_health_over_tls(server_factory: Factory, pki: Pki) -> None:
     server = server_factory(["--tls-cert", str(pki.server_cert), "--tls-key", str(pki.server_key)])
     address = server.address  # 127.0.0.1:port; the certificate names localhost and 127.0.0.1
-    assert ladle_health("--server", address).returncode == 2, "plaintext reached a TLS server"
+    plain = ladle_health("--server", address)
+    assert plain.returncode == 2, "plaintext reached a TLS server"
+    assert "if it serves TLS, --tls-ca or --tls?" in plain.stderr, plain.stderr
     assert ladle_health("--server", address, "--tls-ca", str(pki.ca)).returncode == 0
     named = ladle_health("--server", address, "--tls-ca", str(pki.ca), "--tls-server-name", "localhost")
     assert named.returncode == 0, named
     wrong = ladle_health("--server", address, "--tls-ca", str(pki.ca), "--tls-server-name", "other.example")
     assert wrong.returncode == 2, wrong
+    assert "TLS: check --tls-ca, the server's name or --tls-server-name" in wrong.stderr, wrong.stderr
     assert ladle_health("--server", address, "--tls-ca", str(pki.other_ca)).returncode == 2
     from_env = ladle_health("--server", address, env={"LADLE_TLS_CA": str(pki.ca)})
     assert from_env.returncode == 0, from_env

@@ -14,6 +14,8 @@ import os
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -23,7 +25,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ladle.client import BatchClient, FencedError
+from ladle.client import BatchClient, BatchClientError, FencedError, ServerUnavailableError
 from ladle.service.schedule import Schedule
 
 from .test_serving import Factory, consume, reference
@@ -261,3 +263,56 @@ def test_bad_redis_settings_fail_at_start_up(
             server_factory(extra=redis_args(url))
         assert words in str(info.value)
         assert "wrong-password" not in str(info.value), "a password was printed"
+
+
+def test_a_password_with_a_slash_is_never_printed(server_factory: Factory) -> None:
+    """`openssl rand -base64` puts a / in many passwords: the server printed the URL whole, and
+    redis-py's message quoted the password's head ("Port could not be cast to integer value as 'Kq3'")."""
+    for password in ("Kq3/xZSECRETpart", "Kq3#xZSECRETpart", "Kq3?xZSECRETpart"):
+        with pytest.raises(RuntimeError) as info:
+            server_factory(extra=redis_args(f"redis://:{password}@127.0.0.1:1/0"))
+        log = str(info.value)
+        assert "Kq3" not in log, f"the password was printed: {log}"
+        assert "SECRETpart" not in log, f"the password was printed: {log}"
+        assert "/ as %2F" in log, f"the error does not say to percent-encode the password: {log}"
+
+
+def test_a_replica_fails_at_start_up(
+    redis_server_factory: Callable[..., Any], server_factory: Factory
+) -> None:
+    """A read-only replica passed start-up and readiness; every trainer's Open then failed."""
+    primary = redis_server_factory()
+    replica = redis_server_factory(extra_args=("--replicaof", "127.0.0.1", str(primary.port)))
+    deadline = time.monotonic() + 30
+    with replica.client() as client:  # synced: a replica still loading answers LOADING, not its role
+        while client.info("replication").get("master_link_status") != "up":
+            assert time.monotonic() < deadline, "the replica did not sync"
+            time.sleep(0.05)
+    with pytest.raises(RuntimeError, match="point LADLE_REDIS_URL / --redis-url at the primary"):
+        server_factory(extra=redis_args(replica.url))
+    server_factory(extra=redis_args(primary.url)).stop()
+
+
+def test_a_malformed_job_in_redis_fails_only_itself(
+    redis_server_factory: Callable[..., Any], server_factory: Factory
+) -> None:
+    """One job hash missing a field broke `/v1/jobs` and the page for every job (500), and its trainer
+    got `Unexpected <class 'KeyError'>` (gRPC UNKNOWN)."""
+    redis = redis_server_factory()
+    server = server_factory(extra=redis_args(redis.url))
+    with BatchClient(0, 1, server.address, "good", timeout=30) as client:
+        next(iter(client))
+    with redis.client() as admin:
+        admin.hset("ladle:{bad}:job", "world_size", 4)
+    for path in ("/v1/jobs", "/"):
+        try:
+            with urllib.request.urlopen(server.http_url + path, timeout=30) as response:
+                body = response.read().decode()
+        except urllib.error.HTTPError as exc:
+            raise AssertionError(f"GET {path}: HTTP {exc.code}") from None
+        assert "good" in body, f"GET {path} lost the healthy job"
+    with pytest.raises(BatchClientError) as info, BatchClient(0, 4, server.address, "bad", timeout=10) as bad:
+        next(iter(bad))
+    assert not isinstance(info.value, ServerUnavailableError), "a malformed job is not a passing outage"
+    assert "ladle jobs --delete bad --force" in str(info.value), str(info.value)
+    assert "Traceback" not in server.log_tail(), server.log_tail()

@@ -326,3 +326,12 @@ def test_plan_check_values_prints_the_ranges(sample: Path, capsys: pytest.Captur
     assert main(["plan", str(sample), *SMALL, "--check-values", "--json"]) == 0
     values = json.loads(capsys.readouterr().out)["values"]
     assert values["loss_mask"] == {"min": 0, "max": 1}
+
+
+def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+    import ladle
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0
+    assert capsys.readouterr().out.strip() == f"ladle {ladle.__version__}"

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import functools
 import itertools
+import json
+import logging
 import multiprocessing
 import os
 import pickle
@@ -19,6 +21,7 @@ import time
 import traceback
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from urllib.parse import quote
 
 import pytest
 import redis
@@ -28,10 +31,12 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from ladle.service import cli  # noqa: E402
 from ladle.service.errors import (  # noqa: E402
     ConfigError,
     FencedError,
     JobNotFoundError,
+    StoreCorruptError,
     StoreError,
     StoreUnavailableError,
 )
@@ -390,7 +395,7 @@ def test_a_read_only_redis_is_unavailable(redis_server_factory: StartServer) -> 
         client.config_set("replica-read-only", "yes")
         client.execute_command("REPLICAOF", "127.0.0.1", "1")  # a replica of nothing: read-only
         try:
-            with pytest.raises(StoreUnavailableError):
+            with pytest.raises(StoreUnavailableError, match=r"read-only replica.*at the primary"):
                 store.join(SPEC.job, 0, 4)
         finally:
             client.execute_command("REPLICAOF", "NO", "ONE")
@@ -482,12 +487,17 @@ def test_a_redis_that_evicts_keys_is_named_at_start_up(
     redis_server_factory: StartServer, caplog: pytest.LogCaptureFixture
 ) -> None:
     """allkeys-lru can drop a job's cursors under memory pressure: nothing said so."""
-    server = redis_server_factory(extra_args=("--maxmemory", "100mb", "--maxmemory-policy", "allkeys-lru"))
+    server = redis_server_factory(
+        appendonly=True, extra_args=("--maxmemory", "100mb", "--maxmemory-policy", "allkeys-lru")
+    )
     with caplog.at_level("WARNING", logger="ladle.store"), RedisCursorStore(server.url):
         pass
     assert "maxmemory-policy allkeys-lru" in caplog.text, caplog.text
     caplog.clear()
-    with caplog.at_level("WARNING", logger="ladle.store"), RedisCursorStore(redis_server_factory().url):
+    with (
+        caplog.at_level("WARNING", logger="ladle.store"),
+        RedisCursorStore(redis_server_factory(appendonly=True).url),
+    ):
         pass
     assert not caplog.text, "a Redis that never evicts was warned about"
 
@@ -529,3 +539,282 @@ def test_a_port_that_does_not_speak_redis_is_named_so() -> None:
     finally:
         listener.close()
         thread.join(timeout=5)
+
+
+# --- a password with reserved characters in the URL -----------------------------
+
+SECRET_PIECES = ("Kq3", "SECRETpart")
+
+
+@pytest.mark.parametrize(
+    "userinfo",
+    [
+        ":Kq3/xZSECRETpart",
+        ":Kq3#xZSECRETpart",
+        ":Kq3?xZSECRETpart",
+        ":/Kq3xZSECRETpart",  # redis-py read this one as no password and connected to localhost:6379
+        ":Kq3[xZSECRETpart",
+        ":Kq3/x@ZSECRETpart",
+        "ladle:Kq3/xZSECRETpart",
+    ],
+)
+def test_a_password_with_a_reserved_character_is_never_shown(
+    userinfo: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """It printed the whole URL, and redis-py's 'Port could not be cast to integer value as 'Kq3''."""
+    url = f"redis://{userinfo}@127.0.0.1:1/0?db=0"
+    assert redact_url(url) == "redis://***@127.0.0.1:1/0?db=0"
+    with pytest.raises(ConfigError) as info:
+        RedisCursorStore(url, socket_timeout_s=0.5)
+    assert info.value.field == "redis_url"
+    text = _all_text(info.value)
+    assert not [piece for piece in SECRET_PIECES if piece in text], f"the password leaked: {text}"
+    for advice in ("percent-encode", "/ as %2F", "# as %23", "? as %3F", "% as %25", "@ as %40"):
+        assert advice in str(info.value), f"the error does not say {advice!r}: {info.value}"
+    # the same through the command line, from the flag and from the environment
+    monkeypatch.setenv(cli.REDIS_URL_ENV, url)
+    assert cli.main(["jobs"]) == 2
+    assert cli.main(["jobs", "--redis-url", url]) == 2
+    printed = capsys.readouterr()
+    assert "%2F" in printed.err
+    assert not [piece for piece in SECRET_PIECES if piece in printed.out + printed.err], printed.err
+
+
+def test_a_percent_encoded_password_with_reserved_characters_works(
+    redis_server_factory: StartServer,
+) -> None:
+    """What the error and docs/deploy.md tell the operator to do, against a real Redis."""
+    password = "Kq3/x#y?z%w@v:u+SECRETpart"
+    server = redis_server_factory(password=password)
+    with RedisCursorStore(server.url_for(password=quote(password, safe=""))) as store:
+        assert store.open_job(SPEC).spec == SPEC
+        assert "SECRETpart" not in repr(store)
+
+
+def test_a_refused_password_with_percent_sequences_says_they_are_decoded(
+    redis_server_factory: StartServer,
+) -> None:
+    """'Redis refused the password' and nothing else, for a password with a % written as it is."""
+    password = "pa%41ss-SECRETpart"  # %41 reaches Redis as "A"
+    server = redis_server_factory(password=password)
+    with pytest.raises(StoreUnavailableError, match="refused the password") as info:
+        RedisCursorStore(server.url_for(password=password))
+    assert "%25" in str(info.value), f"no word of the decoding: {info.value}"
+    assert "SECRETpart" not in _all_text(info.value)
+    with pytest.raises(StoreUnavailableError) as wrong:
+        RedisCursorStore(server.url_for(password="plain-wrong"))
+    assert "%25" not in str(wrong.value), "a password without %-sequences got the decoding hint"
+    with RedisCursorStore(server.url_for(password=quote(password, safe=""))) as store:
+        store.open_job(SPEC)
+
+
+def test_a_url_without_the_password_redis_requires_is_named_so(redis_server_factory: StartServer) -> None:
+    server = redis_server_factory(password=PASSWORD)
+    with pytest.raises(StoreUnavailableError, match="the URL gives no password but Redis requires one"):
+        RedisCursorStore(f"redis://{server.host}:{server.port}/0")
+
+
+# --- TLS on one side only -------------------------------------------------------
+
+
+def test_tls_to_a_plain_port_hints_at_redis_scheme(redis_server: RedisServer) -> None:
+    """'cannot be reached: Timeout connecting to server', after the whole timeout, and no hint."""
+    with pytest.raises(StoreUnavailableError, match=r"use redis:// rather than rediss://"):
+        RedisCursorStore(f"rediss://{redis_server.host}:{redis_server.port}/0", socket_timeout_s=0.5)
+
+
+@pytest.mark.skipif(not openssl_available(), reason="the openssl command is not installed")
+def test_plain_redis_to_a_tls_port_hints_at_rediss(redis_server_factory: StartServer, tmp_path: Path) -> None:
+    """'Connection reset by peer', and no hint."""
+    pki = make_pki(tmp_path / "pki")
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        tls_port = probe.getsockname()[1]
+    redis_server_factory(
+        extra_args=(
+            "--tls-port", str(tls_port), "--tls-cert-file", str(pki.server_cert),
+            "--tls-key-file", str(pki.server_key), "--tls-ca-cert-file", str(pki.ca),
+            "--tls-auth-clients", "no",
+        )
+    )  # fmt: skip
+    with pytest.raises(StoreUnavailableError, match=r"use rediss:// rather than redis://"):
+        RedisCursorStore(f"redis://127.0.0.1:{tls_port}/0", socket_timeout_s=2)
+
+
+# --- replicas and persistence, checked at start-up ------------------------------
+
+
+def test_a_replica_is_refused_at_start_up(redis_server: RedisServer) -> None:
+    """It passed start-up and the server said ready; every Open then failed with READONLY."""
+    with redis_server.client() as client:
+        client.execute_command("REPLICAOF", "127.0.0.1", "1")  # a replica (of nothing)
+    with pytest.raises(StoreError, match="point LADLE_REDIS_URL / --redis-url at the primary") as info:
+        RedisCursorStore(redis_server.url)
+    assert "\n" not in str(info.value)
+    assert not isinstance(info.value, StoreUnavailableError), "a replica stays a replica: not transient"
+
+
+def test_role_and_config_refused_by_an_acl_are_skipped(
+    redis_server: RedisServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A managed Redis may refuse ROLE, INFO and CONFIG: start-up goes on, and a write names the replica."""
+    with redis_server.client() as admin:
+        admin.acl_setuser(
+            "app",
+            enabled=True,
+            passwords=["+" + PASSWORD],
+            keys=["*"],
+            channels=["*"],
+            commands=["+@all", "-role", "-info", "-config"],
+        )
+        admin.execute_command("REPLICAOF", "127.0.0.1", "1")
+    url = f"redis://app:{PASSWORD}@{redis_server.host}:{redis_server.port}/0"
+    with caplog.at_level("DEBUG", logger="ladle.store"), RedisCursorStore(url) as store:
+        assert "ROLE refused" in caplog.text
+        assert "CONFIG GET save refused" in caplog.text
+        assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
+        with pytest.raises(StoreUnavailableError, match=r"read-only replica.*at the primary"):
+            store.open_job(SPEC)
+    assert PASSWORD not in caplog.text
+
+
+def test_a_redis_without_persistence_is_named_at_start_up(
+    redis_server_factory: StartServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A restart of such a Redis forgets every job; nothing said so at start-up."""
+    with caplog.at_level("WARNING", logger="ladle.store"), RedisCursorStore(redis_server_factory().url):
+        pass
+    assert "keeps nothing on disk" in caplog.text, caplog.text
+    assert "appendonly yes" in caplog.text, "the warning does not say what to set"
+    for options in ({"appendonly": True}, {"save": True}):
+        caplog.clear()
+        with (
+            caplog.at_level("WARNING", logger="ladle.store"),
+            RedisCursorStore(redis_server_factory(**options).url),
+        ):
+            pass
+        assert not caplog.text, f"a Redis with {options} was warned about: {caplog.text}"
+
+
+# --- a job's hashes as something other than this ladle left them ----------------
+
+GOOD = JobSpec("good", "d", "c", 2)
+BAD = JobSpec("bad", "d", "c", 2)
+BAD_JOB, BAD_RANKS = "ladle:{bad}:job", "ladle:{bad}:ranks"
+
+
+def _missing_field(store: CursorStore, client: redis.Redis) -> None:
+    client.hset(BAD_JOB, "world_size", 4)  # a hand edit, a half-restored backup, another tool's key
+
+
+def _bad_rank(store: CursorStore, client: redis.Redis) -> None:
+    store.open_job(BAD)
+    client.hset(BAD_RANKS, "0", "0,0,0")
+
+
+def _missing_rank(store: CursorStore, client: redis.Redis) -> None:
+    store.open_job(BAD)
+    client.hdel(BAD_RANKS, "1")
+
+
+def _bad_plan(store: CursorStore, client: redis.Redis) -> None:
+    store.open_job(BAD)
+    client.hset(BAD_JOB, "plan", '{"v2": []}')
+
+
+def _bad_world_size(store: CursorStore, client: redis.Redis) -> None:
+    store.open_job(BAD)
+    client.hset(BAD_JOB, "world_size", "two")
+
+
+def _not_a_hash(store: CursorStore, client: redis.Redis) -> None:
+    client.set(BAD_JOB, "{}")
+
+
+SPOILS: dict[str, tuple[Callable[[CursorStore, redis.Redis], None], str, str]] = {
+    "missing field": (_missing_field, BAD_JOB, "dataset_fingerprint"),
+    "bad rank value": (_bad_rank, BAD_RANKS, "0"),
+    "missing rank": (_missing_rank, BAD_RANKS, "ranks"),
+    "bad plan": (_bad_plan, BAD_JOB, "plan"),
+    "bad world size": (_bad_world_size, BAD_JOB, "world_size"),
+    "not a hash": (_not_a_hash, BAD_JOB, ""),
+}
+
+
+@pytest.mark.parametrize("spoil", SPOILS)
+def test_a_malformed_job_is_a_typed_error_and_left_out_of_listings(
+    spoil: str, redis_server: RedisServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """One malformed job hash: KeyError/ValueError from get and open, and list_jobs failed for every job."""
+    make, key, field = SPOILS[spoil]
+    with RedisCursorStore(redis_server.url) as store, redis_server.client() as client:
+        store.open_job(GOOD)
+        make(store, client)
+        reads: list[Callable[[], object]] = [lambda: store.get("bad"), lambda: store.open_job(BAD)]
+        for call in reads:
+            with pytest.raises(StoreCorruptError) as info:
+                call()
+            assert (info.value.job, info.value.key, info.value.field) == ("bad", key, field), str(info.value)
+            assert "ladle jobs --delete bad --force" in str(info.value), "the error gives no remedy"
+            assert info.value.kind == "failed_precondition"
+        again = pickle.loads(pickle.dumps(info.value))
+        assert (type(again), str(again)) == (StoreCorruptError, str(info.value))
+        with caplog.at_level("WARNING", logger="ladle.store"):
+            assert [j.job for j in store.list_jobs()] == ["good"], "the malformed job was not left out"
+            assert [j.job for j in store.list_jobs()] == ["good"]
+        warnings = [r.getMessage() for r in caplog.records if "left out" in r.getMessage()]
+        assert len(warnings) == 1, f"one warning for the left-out job, not {warnings}"
+        assert "'bad'" in warnings[0], warnings
+        assert store.delete_job("bad")
+        assert store.open_job(BAD).spec == BAD, "the job cannot be started again after its deletion"
+
+
+@pytest.mark.parametrize(
+    ("spoil", "refused"),
+    [("bad rank value", ("join", "advance", "resize")), ("bad world size", ("join", "resize"))],
+)
+def test_a_trainer_of_a_malformed_job_gets_the_typed_error(
+    spoil: str, refused: tuple[str, ...], redis_server: RedisServer
+) -> None:
+    """The writes' scripts read the hashes too: a Lua error or an int() of garbage, not a store error."""
+    with RedisCursorStore(redis_server.url) as store, redis_server.client() as client:
+        store.open_job(BAD)
+        generation = store.join("bad", 0, 2).generation
+        SPOILS[spoil][0](store, client)
+        calls: dict[str, Callable[[], object]] = {
+            "join": lambda: store.join("bad", 0, 2),
+            "advance": lambda: store.advance("bad", 0, generation, Position(0, 1)),
+            "resize": lambda: store.resize("bad", 2, 3),
+        }
+        for name in refused:
+            with pytest.raises(StoreCorruptError, match="ladle jobs --delete bad --force"):
+                calls[name]()
+
+
+def test_ladle_jobs_lists_around_a_malformed_job_and_deletes_it_with_force(
+    redis_server: RedisServer,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """`ladle jobs` and `ladle jobs --delete bad` (the remedy) both ended in a KeyError traceback."""
+    monkeypatch.delenv(cli.REDIS_URL_ENV, raising=False)
+    flags = ["--redis-url", redis_server.url]
+    with RedisCursorStore(redis_server.url) as store, redis_server.client() as client:
+        store.open_job(GOOD)
+        _missing_field(store, client)
+    with caplog.at_level("WARNING", logger="ladle.store"):
+        assert cli.main(["jobs", *flags]) == 0
+    assert "good" in capsys.readouterr().out
+    assert "'bad'" in caplog.text, caplog.text
+    assert "dataset_fingerprint" in caplog.text, caplog.text
+    assert cli.main(["jobs", *flags, "--delete", "bad"]) == 2
+    refused = capsys.readouterr().err
+    assert "--force" in refused, refused
+    assert "Traceback" not in refused, refused
+    assert cli.main(["jobs", *flags, "--delete", "bad", "--force"]) == 0
+    assert "deleted job 'bad'" in capsys.readouterr().out
+    caplog.clear()
+    assert cli.main(["jobs", *flags, "--json"]) == 0
+    assert [j["job"] for j in json.loads(capsys.readouterr().out)] == ["good"]
+    assert "left out" not in caplog.text, "a deleted job is still reported"
