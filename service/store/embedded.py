@@ -43,7 +43,14 @@ from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from typing import Final
 
-from ..errors import JobNotFoundError, StoreError, StoreUnavailableError, WorldSizeMismatchError
+from ..errors import (
+    ConfigError,
+    JobNotFoundError,
+    StoreCorruptError,
+    StoreError,
+    StoreUnavailableError,
+    WorldSizeMismatchError,
+)
 from .base import (
     Clock,
     CursorStore,
@@ -156,15 +163,19 @@ def _rank_state(row: _RankRow) -> RankState:
 
 
 def _job_state(row: _JobRow, ranks: list[_RankRow]) -> JobState:
+    """A job as stored; ``StoreCorruptError`` if its row is not what this ladle writes (a hand edit)."""
     job, dataset_fp, config_fp, world_size, created, updated, incarnation, plan = row
-    return JobState(
-        JobSpec(job, dataset_fp, config_fp, world_size),
-        tuple(_rank_state(r) for r in ranks),
-        created,
-        updated,
-        incarnation,
-        plan_from_json(plan),
-    )
+    where = f"the jobs row of {job!r}"
+    try:
+        spec = JobSpec(job, dataset_fp, config_fp, world_size)
+    except ConfigError as exc:
+        raise StoreCorruptError(job, where, exc.field, f"holds an invalid {exc}") from None
+    try:
+        resizes = plan_from_json(plan)
+    except (ValueError, TypeError):
+        shown = repr(plan if len(str(plan)) <= 60 else str(plan)[:57] + "...")
+        raise StoreCorruptError(job, where, "plan", f"holds plan={shown}, not a resize history") from None
+    return JobState(spec, tuple(_rank_state(r) for r in ranks), created, updated, incarnation, resizes)
 
 
 class EmbeddedStore(CursorStore):
@@ -766,7 +777,13 @@ class EmbeddedStore(CursorStore):
             for row in rows:
                 if row[0] in ranks:
                     ranks[row[0]].append(row[1:])
-            return [_job_state(row, ranks[row[0]]) for row in jobs]
+        listed = []
+        for job_row in jobs:
+            try:
+                listed.append(_job_state(job_row, ranks[job_row[0]]))
+            except StoreCorruptError as exc:  # one bad row fails only its own job
+                log.warning("cursor store %s: %s", self.path, exc)
+        return listed
 
     @staticmethod
     def _delete(db: sqlite3.Connection, job: str) -> bool:

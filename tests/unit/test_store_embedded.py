@@ -781,3 +781,26 @@ def test_a_permission_error_names_what_is_not_writable(
     writable |= {str(path)}
     assert "writable" not in str(store._unavailable(readonly)), "a hint where nothing is wrong"
     assert "writable" not in str(store._unavailable(sqlite3.OperationalError("disk I/O error")))
+
+
+def test_a_malformed_job_row_is_a_typed_error_for_that_job_only(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A hand-edited row: a JSONDecodeError from every get and listing; now that job alone is refused."""
+    from ladle.service.errors import StoreCorruptError
+
+    path = tmp_path / "state.db"
+    with EmbeddedStore(path) as store:
+        store.open_job(SPEC)
+        store.open_job(JobSpec("bad", "dataset-aaaa", "config-bbbb", 2))
+    with sqlite3.connect(path) as db:
+        db.execute("UPDATE jobs SET plan = 'not json' WHERE job = 'bad'")
+    with EmbeddedStore(path) as store:
+        with pytest.raises(StoreCorruptError, match="ladle jobs --delete bad --force") as caught:
+            store.get("bad")
+        assert caught.value.field == "plan"
+        with caplog.at_level(logging.WARNING, logger="ladle.server"):
+            assert [j.job for j in store.list_jobs()] == [SPEC.job]
+        assert "job 'bad' cannot be read" in caplog.text
+        assert store.delete_job("bad")
+        assert [j.job for j in store.list_jobs()] == [SPEC.job]
