@@ -554,8 +554,8 @@ class RedisCursorStore(CursorStore):
         self._get_script = self._redis.register_script(_GET)
         self._delete_script = self._redis.register_script(_DELETE)
         try:
-            self._ping()
-            self._check_server()
+            self._check_server()  # first: a replica is named as one, not as a refused write
+            self._ping()  # a write: a Redis that refuses them is not started on
         except BaseException:
             self.close()
             raise
@@ -921,8 +921,10 @@ class RedisCursorStore(CursorStore):
         return bool(self._run(self._delete_script, job))
 
     def _ping(self) -> None:
+        """A write, not a PING: a Redis that became a replica (a failover), cannot save (MISCONF) or is
+        full (OOM) answers PING and refuses every trainer's write. The key is no job's."""
         with self._client() as client:
-            client.ping()
+            client.set(f"{self.namespace}:readiness", "1", px=60_000)
 
     def close(self) -> None:
         with self._close_lock:

@@ -85,7 +85,8 @@ def test_keys_live_under_the_namespace_and_the_jobs_hash_tag(redis_server: Redis
         store.open_job(SPEC)
         generation = store.join(SPEC.job, 2, 4).generation
         store.advance(SPEC.job, 2, generation, Position(3, 7))
-        assert sorted(client.keys("*")) == ["ladle:{run-42}:job", "ladle:{run-42}:ranks"]
+        # and the readiness check's own key (a write, so a replica or a full Redis is not ready)
+        assert sorted(client.keys("*")) == ["ladle:readiness", "ladle:{run-42}:job", "ladle:{run-42}:ranks"]
         job = client.hgetall("ladle:{run-42}:job")
         assert {k: job[k] for k in ("dataset_fingerprint", "config_fingerprint", "world_size", "plan")} == {
             "dataset_fingerprint": SPEC.dataset_fingerprint,
@@ -332,7 +333,7 @@ def test_the_database_number_in_the_url_is_used(redis_server: RedisServer) -> No
     with RedisCursorStore(redis_server.url_for(3)) as store:
         store.open_job(SPEC)
     with redis_server.client(3) as db3, redis_server.client(0) as db0:
-        assert sorted(db3.keys("*")) == ["ladle:{run-42}:job", "ladle:{run-42}:ranks"]
+        assert sorted(db3.keys("*")) == ["ladle:readiness", "ladle:{run-42}:job", "ladle:{run-42}:ranks"]
         assert db0.keys("*") == []
 
 
@@ -397,6 +398,9 @@ def test_a_read_only_redis_is_unavailable(redis_server_factory: StartServer) -> 
         try:
             with pytest.raises(StoreUnavailableError, match=r"read-only replica.*at the primary"):
                 store.join(SPEC.job, 0, 4)
+            # made a replica after start-up (a failover): readiness says so, not only a trainer's write
+            with pytest.raises(StoreUnavailableError, match=r"read-only replica.*at the primary"):
+                store.ping()
         finally:
             client.execute_command("REPLICAOF", "NO", "ONE")
 
@@ -657,7 +661,8 @@ def test_a_replica_is_refused_at_start_up(redis_server: RedisServer) -> None:
 def test_role_and_config_refused_by_an_acl_are_skipped(
     redis_server: RedisServer, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """A managed Redis may refuse ROLE, INFO and CONFIG: start-up goes on, and a write names the replica."""
+    """A managed Redis may refuse ROLE, INFO and CONFIG: those checks are skipped, and the start-up write
+    names the replica."""
     with redis_server.client() as admin:
         admin.acl_setuser(
             "app",
@@ -669,12 +674,14 @@ def test_role_and_config_refused_by_an_acl_are_skipped(
         )
         admin.execute_command("REPLICAOF", "127.0.0.1", "1")
     url = f"redis://app:{PASSWORD}@{redis_server.host}:{redis_server.port}/0"
-    with caplog.at_level("DEBUG", logger="ladle.store"), RedisCursorStore(url) as store:
-        assert "ROLE refused" in caplog.text
-        assert "CONFIG GET save refused" in caplog.text
-        assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
-        with pytest.raises(StoreUnavailableError, match=r"read-only replica.*at the primary"):
-            store.open_job(SPEC)
+    with (
+        caplog.at_level("DEBUG", logger="ladle.store"),
+        pytest.raises(StoreUnavailableError, match=r"read-only replica.*at the primary"),
+    ):
+        RedisCursorStore(url)
+    assert "ROLE refused" in caplog.text
+    assert "CONFIG GET save refused" in caplog.text
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
     assert PASSWORD not in caplog.text
 
 
