@@ -52,7 +52,7 @@ from ladle.service.store import (  # noqa: E402
 from ladle.service.store.base import MAX_INDEX  # noqa: E402
 from ladle.service.store.redis import redact_url, redis_client  # noqa: E402
 from tests.contract.store_contract import SPEC, MakeStore, StoreContract, StoreFactory  # noqa: E402
-from tests.support.certs import make_pki, openssl_available  # noqa: E402
+from tests.support.certs import Pki, make_pki, openssl_available  # noqa: E402
 from tests.support.redis_server import RedisServer  # noqa: E402
 
 StartServer = Callable[..., RedisServer]
@@ -305,11 +305,8 @@ def test_tls_to_a_plain_server_fails_cleanly(redis_server: RedisServer) -> None:
     assert time.perf_counter() - began < 3
 
 
-@pytest.mark.skipif(not openssl_available(), reason="the openssl command is not installed")
-def test_rediss_to_a_tls_redis_verified_against_a_test_ca(
-    redis_server_factory: StartServer, tmp_path: Path
-) -> None:
-    """``rediss://`` end to end: Redis's own TLS port, the CA given in the URL, a wrong CA refused."""
+def tls_redis(redis_server_factory: StartServer, tmp_path: Path) -> tuple[Pki, int]:
+    """A Redis with a TLS port (a test CA's certificate, no client certificates): the PKI and the port."""
     pki = make_pki(tmp_path / "pki")
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
@@ -321,6 +318,15 @@ def test_rediss_to_a_tls_redis_verified_against_a_test_ca(
             "--tls-auth-clients", "no",
         )
     )  # fmt: skip
+    return pki, tls_port
+
+
+@pytest.mark.skipif(not openssl_available(), reason="the openssl command is not installed")
+def test_rediss_to_a_tls_redis_verified_against_a_test_ca(
+    redis_server_factory: StartServer, tmp_path: Path
+) -> None:
+    """``rediss://`` end to end: Redis's own TLS port, the CA given in the URL, a wrong CA refused."""
+    pki, tls_port = tls_redis(redis_server_factory, tmp_path)
     url = f"rediss://127.0.0.1:{tls_port}/0?ssl_ca_certs={pki.ca}"
     with RedisCursorStore(url) as store:
         store.open_job(SPEC)
@@ -630,17 +636,7 @@ def test_tls_to_a_plain_port_hints_at_redis_scheme(redis_server: RedisServer) ->
 @pytest.mark.skipif(not openssl_available(), reason="the openssl command is not installed")
 def test_plain_redis_to_a_tls_port_hints_at_rediss(redis_server_factory: StartServer, tmp_path: Path) -> None:
     """'Connection reset by peer', and no hint."""
-    pki = make_pki(tmp_path / "pki")
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        tls_port = probe.getsockname()[1]
-    redis_server_factory(
-        extra_args=(
-            "--tls-port", str(tls_port), "--tls-cert-file", str(pki.server_cert),
-            "--tls-key-file", str(pki.server_key), "--tls-ca-cert-file", str(pki.ca),
-            "--tls-auth-clients", "no",
-        )
-    )  # fmt: skip
+    _, tls_port = tls_redis(redis_server_factory, tmp_path)
     with pytest.raises(StoreUnavailableError, match=r"use rediss:// rather than redis://"):
         RedisCursorStore(f"redis://127.0.0.1:{tls_port}/0", socket_timeout_s=2)
 
