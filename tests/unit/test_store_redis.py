@@ -512,18 +512,23 @@ def test_a_redis_that_evicts_keys_is_named_at_start_up(
     assert not caplog.text, "a Redis that never evicts was warned about"
 
 
-def test_a_user_that_cannot_run_scripts_is_refused_at_start_up(redis_server: RedisServer) -> None:
-    """The server started and said ready; every trainer then retried UNAVAILABLE for its whole timeout."""
+def acl_user(redis_server: RedisServer, name: str, *denied: str) -> str:
+    """An ACL user allowed every command but ``denied`` (``-eval``...): its URL."""
     with redis_server.client() as admin:
         admin.acl_setuser(
-            "noscripts",
+            name,
             enabled=True,
             passwords=["+" + PASSWORD],
             keys=["*"],
             channels=["*"],
-            commands=["+@all", "-eval", "-evalsha", "-script"],
+            commands=["+@all", *denied],
         )
-    url = f"redis://noscripts:{PASSWORD}@{redis_server.host}:{redis_server.port}/0"
+    return f"redis://{name}:{PASSWORD}@{redis_server.host}:{redis_server.port}/0"
+
+
+def test_a_user_that_cannot_run_scripts_is_refused_at_start_up(redis_server: RedisServer) -> None:
+    """The server started and said ready; every trainer then retried UNAVAILABLE for its whole timeout."""
+    url = acl_user(redis_server, "noscripts", "-eval", "-evalsha", "-script")
     with pytest.raises(StoreError, match="lacks a permission ladle needs") as info:
         RedisCursorStore(url)
     assert not isinstance(info.value, StoreUnavailableError), "a missing permission is not transient"
@@ -659,17 +664,9 @@ def test_role_and_config_refused_by_an_acl_are_skipped(
 ) -> None:
     """A managed Redis may refuse ROLE, INFO and CONFIG: those checks are skipped, and the start-up write
     names the replica."""
+    url = acl_user(redis_server, "app", "-role", "-info", "-config")
     with redis_server.client() as admin:
-        admin.acl_setuser(
-            "app",
-            enabled=True,
-            passwords=["+" + PASSWORD],
-            keys=["*"],
-            channels=["*"],
-            commands=["+@all", "-role", "-info", "-config"],
-        )
         admin.execute_command("REPLICAOF", "127.0.0.1", "1")
-    url = f"redis://app:{PASSWORD}@{redis_server.host}:{redis_server.port}/0"
     with (
         caplog.at_level("DEBUG", logger="ladle.store"),
         pytest.raises(StoreUnavailableError, match=r"read-only replica.*at the primary"),
