@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import abc
 import json
+import logging
 import math
 import re
 import secrets
@@ -28,6 +29,7 @@ from ..errors import (
     CursorRegressionError,
     FencedError,
     JobMismatchError,
+    StoreCorruptError,
     WorldSizeMismatchError,
 )
 
@@ -51,10 +53,20 @@ __all__ = [
     "plan_to_json",
     "rank_outside",
     "resize_start",
+    "shown_value",
     "validate_job_name",
 ]
 
+log = logging.getLogger("ladle.store")
+
 Clock = Callable[[], float]
+
+
+def shown_value(value: object) -> str:
+    """A stored value for an error message: quoted, and cut if long."""
+    text = str(value)
+    return repr(text if len(text) <= 60 else text[:57] + "...")
+
 
 MAX_FINGERPRINT_LEN = 256
 # The Redis store keeps integers in Lua numbers (doubles), exact up to 2**53.
@@ -289,9 +301,20 @@ class CursorStore(abc.ABC):
 
     def __init__(self, *, clock: Clock = time.time) -> None:
         self._clock = clock
+        self._left_out_jobs: set[tuple[str, str, str]] = set()
 
     def _now(self) -> float:
         return float(self._clock())
+
+    def _left_out(self, exc: StoreCorruptError) -> None:
+        """Log a job a listing leaves out: at WARNING the first time this store meets it, then at DEBUG
+        (the page lists the jobs every few seconds)."""
+        seen = (exc.job, exc.key, exc.field)
+        first = seen not in self._left_out_jobs
+        if first and len(self._left_out_jobs) < 1000:
+            self._left_out_jobs.add(seen)
+        level = logging.WARNING if first else logging.DEBUG
+        log.log(level, "cursor store %r: left out of the listing: %s", self, exc)
 
     # --- the public contract -----------------------------------------------
 

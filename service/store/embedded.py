@@ -68,6 +68,7 @@ from .base import (
     plan_to_json,
     rank_outside,
     resize_start,
+    shown_value,
 )
 
 __all__ = ["POOL_IDLE", "SCHEMA_VERSION", "EmbeddedStore"]
@@ -173,8 +174,8 @@ def _job_state(row: _JobRow, ranks: list[_RankRow]) -> JobState:
     try:
         resizes = plan_from_json(plan)
     except (ValueError, TypeError):
-        shown = repr(plan if len(str(plan)) <= 60 else str(plan)[:57] + "...")
-        raise StoreCorruptError(job, where, "plan", f"holds plan={shown}, not a resize history") from None
+        detail = f"holds plan={shown_value(plan)}, not a resize history"
+        raise StoreCorruptError(job, where, "plan", detail) from None
     return JobState(spec, tuple(_rank_state(r) for r in ranks), created, updated, incarnation, resizes)
 
 
@@ -782,7 +783,7 @@ class EmbeddedStore(CursorStore):
             try:
                 listed.append(_job_state(job_row, ranks[job_row[0]]))
             except StoreCorruptError as exc:  # one bad row fails only its own job
-                log.warning("cursor store %s: %s", self.path, exc)
+                self._left_out(exc)
         return listed
 
     @staticmethod

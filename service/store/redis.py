@@ -70,6 +70,7 @@ from .base import (
     plan_from_json,
     plan_to_json,
     rank_outside,
+    shown_value,
 )
 
 __all__ = ["RedisCursorStore", "redact_url", "redis_client"]
@@ -390,11 +391,6 @@ def _fields(flat: list[str]) -> dict[str, str]:
     return dict(zip(flat[::2], flat[1::2], strict=True))
 
 
-def _shown(value: str) -> str:
-    """A stored value for a message: quoted, and cut if long."""
-    return repr(value if len(value) <= 60 else value[:57] + "...")
-
-
 def _unreadable(exc: rex.ResponseError) -> bool:
     """Whether a script failed on what it read (a key of another type, a value it cannot parse), not on
     Redis: ladle's scripts raise no error of their own."""
@@ -428,14 +424,14 @@ class _Record:
         try:
             return int(value)
         except ValueError:
-            raise self.corrupt(field, f"holds {field}={_shown(value)}, not an integer") from None
+            raise self.corrupt(field, f"holds {field}={shown_value(value)}, not an integer") from None
 
     def real(self, field: str) -> float:
         value = self.text(field)
         try:
             return float(value)
         except ValueError:
-            raise self.corrupt(field, f"holds {field}={_shown(value)}, not a number") from None
+            raise self.corrupt(field, f"holds {field}={shown_value(value)}, not a number") from None
 
     def spec(self, world_size: int | None = None) -> JobSpec:
         size = self.integer("world_size") if world_size is None else world_size
@@ -449,7 +445,7 @@ class _Record:
         try:
             return plan_from_json(text)
         except (ValueError, TypeError):  # not JSON, or not a list of [world_size, [[epoch, step]...]]
-            raise self.corrupt("plan", f"holds plan={_shown(text)}, not a resize history") from None
+            raise self.corrupt("plan", f"holds plan={shown_value(text)}, not a resize history") from None
 
     def ranks(self, world_size: int) -> tuple[RankState, ...]:
         stored = _fields(self.ranks_flat)
@@ -466,7 +462,7 @@ class _Record:
             epoch, step, generation, last_seen = value.split(",")
             return RankState(rank, Position(int(epoch), int(step)), int(generation), float(last_seen))
         except ValueError:
-            detail = f"holds rank {rank} as {_shown(value)}, not epoch,step,generation,last_seen"
+            detail = f"holds rank {rank} as {shown_value(value)}, not epoch,step,generation,last_seen"
             raise self.corrupt(str(rank), detail, key=1) from None
 
     def state(self) -> JobState:
@@ -530,7 +526,6 @@ class RedisCursorStore(CursorStore):
         self._ttl = str(_ms(self.job_ttl_s))
         self._closed = False
         self._close_lock = threading.Lock()
-        self._left_out_jobs: set[tuple[str, str, str]] = set()
         if "://" in url and _misread_userinfo(url) is not None:
             # redis-py would read part of the password as the port, path or query (and its message
             # would quote it), or connect elsewhere: say what is wrong, in words of our own
@@ -902,20 +897,6 @@ class RedisCursorStore(CursorStore):
             except StoreCorruptError as exc:
                 self._left_out(exc)
         return jobs
-
-    def _left_out(self, exc: StoreCorruptError) -> None:
-        """Log a job a listing leaves out: at WARNING the first time this store meets it, then at DEBUG
-        (the page lists the jobs every few seconds)."""
-        seen = (exc.job, exc.key, exc.field)
-        first = seen not in self._left_out_jobs
-        if first and len(self._left_out_jobs) < 1000:
-            self._left_out_jobs.add(seen)
-        log.log(
-            logging.WARNING if first else logging.DEBUG,
-            "cursor store %s: left out of the listing: %s",
-            self.url,
-            exc,
-        )
 
     def _delete_job(self, job: str) -> bool:
         return bool(self._run(self._delete_script, job))
