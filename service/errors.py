@@ -32,6 +32,7 @@ __all__ = [
     "ScheduleError",
     "StoreCorruptError",
     "StoreError",
+    "StoreFormatError",
     "StoreUnavailableError",
     "TextSourceError",
     "UnreadableFileError",
@@ -269,6 +270,34 @@ class StoreCorruptError(StoreError):
 
     def __reduce__(self) -> tuple[type[StoreCorruptError], tuple[str, str, str, str]]:
         return (type(self), (self.job, self.key, self.field, self.detail))
+
+
+class StoreFormatError(StoreCorruptError):
+    """A job stored in a format newer than this ladle's (a newer ladle wrote it); nothing was changed.
+
+    ``version`` is the job's format version, ``supported`` the newest this
+    ladle reads. The record is not damaged: a ladle that knows ``version``
+    reads it, this one neither reads nor writes it. ``field`` is ``format``.
+    """
+
+    reason = "store_format_newer"
+
+    def __init__(self, job: str, key: str, version: int, supported: int) -> None:
+        self.version = version
+        self.supported = supported
+        self.job = job
+        self.key = key
+        self.field = "format"
+        self.detail = f"has format version {version}, newer than this ladle's {supported}"
+        StoreError.__init__(
+            self,
+            f"job {job!r} in the cursor store (key {key}) {self.detail}: upgrade ladle, or delete "
+            f"the job with `ladle jobs --delete {job} --force` (naming the server's store: --redis-url "
+            "URL or --state FILE)",
+        )
+
+    def __reduce__(self) -> tuple[type[StoreFormatError], tuple[str, str, int, int]]:  # type: ignore[override]
+        return (type(self), (self.job, self.key, self.version, self.supported))
 
 
 class JobNotFoundError(StoreError):

@@ -9,15 +9,20 @@ the scripts return status codes, never errors.
 Layout, under a namespace (``ladle`` by default) with the job name as a Redis
 Cluster hash tag so that all of a job's keys share one slot:
 
-* ``ladle:{run-42}:job``: a hash of ``dataset_fingerprint``,
-  ``config_fingerprint``, ``world_size``, ``created``, ``updated``,
-  ``incarnation`` and ``plan`` (``base.plan_to_json``);
+* ``ladle:{run-42}:job``: a hash of ``format`` (``FORMAT_VERSION``, the
+  version of this layout), ``dataset_fingerprint``, ``config_fingerprint``,
+  ``world_size``, ``created``, ``updated``, ``incarnation`` and ``plan``
+  (``base.plan_to_json``);
 * ``ladle:{run-42}:ranks``: a hash with one field per rank (``"3"``) holding
   ``"epoch,step,generation,last_seen"``.
 
-Keys that do not follow this layout (a hand edit, another tool, another
-version) raise ``StoreCorruptError`` naming the key and field, for that job
-only: listings leave such a job out, with one warning.
+A job hash without ``format`` is version 1 (written before the field
+existed) and is read and written as it is. A job of a newer format (a newer
+ladle wrote it) raises ``StoreFormatError`` and is neither read nor written:
+every script that changes a job checks its format first. Keys that do not
+follow this layout (a hand edit, another tool, a ``format`` that is not a
+version) raise ``StoreCorruptError`` naming the key and field. Both are for
+that job only: listings leave such a job out, with one warning.
 
 Integers travel as decimal strings and are compared in Lua as doubles, exact
 up to ``MAX_INDEX`` (2**53 - 1); times are written as Python's ``repr`` of the
@@ -51,6 +56,7 @@ from ..errors import (
     JobNotFoundError,
     StoreCorruptError,
     StoreError,
+    StoreFormatError,
     StoreUnavailableError,
     WorldSizeMismatchError,
 )
@@ -73,19 +79,33 @@ from .base import (
     shown_value,
 )
 
-__all__ = ["RedisCursorStore", "redact_url", "redis_client"]
+__all__ = ["FORMAT_VERSION", "RedisCursorStore", "redact_url", "redis_client"]
 
 log = logging.getLogger("ladle.store")
 
 _NAMESPACE = re.compile(r"[A-Za-z0-9._-]{1,100}")
 
+# The version of the layout above, stored in each job hash as ``format``. Raise it when a change
+# would make an older ladle misread a job: that ladle then refuses the job rather than guess.
+FORMAT_VERSION: Final = 1
+
 # --- the scripts ---------------------------------------------------------------
 # KEYS[1] is the job hash, KEYS[2] the ranks hash. Every script returns a table
 # whose first element is a status; the last ARGV of each writer is the TTL in
 # milliseconds (0: persist). Numbers leave Lua as strings (string.format('%d')
-# is exact to 2**53; tostring is not).
+# is exact to 2**53; tostring is not). Every script that changes a job first
+# returns {'format', format} for a job whose format this ladle does not write
+# (_Record.version says which error, and mirrors `ours`).
 
-_LUA_HELPERS: Final = """
+_LUA_HELPERS: Final = (
+    f"local FORMAT_VERSION = '{FORMAT_VERSION}'\n"
+    + """
+local function ours(format)
+  if not format then return true end  -- false from HGET, nil from fields(): version 1
+  if not string.match(format, '^%d+$') then return false end
+  local version = tonumber(format)
+  return version >= 1 and version <= tonumber(FORMAT_VERSION)
+end
 local function parse(v)
   return string.match(v, '^(%d+),(%d+),(%d+),(.+)$')
 end
@@ -116,6 +136,7 @@ local function fields(flat)
   return map
 end
 """
+)
 
 # ARGV: reset, dataset_fingerprint, config_fingerprint, world_size, now, incarnation, plan, ttl
 _OPEN: Final = (
@@ -125,13 +146,15 @@ if ARGV[1] == '1' then redis.call('DEL', KEYS[1], KEYS[2]) end
 local job = redis.call('HGETALL', KEYS[1])
 if #job > 0 then
   local f = fields(job)
+  if not ours(f.format) then return {'format', f.format} end
   if f.dataset_fingerprint == ARGV[2] and f.config_fingerprint == ARGV[3] and f.world_size == ARGV[4] then
     touch(ARGV[8])
   end
   return {'exists', job, redis.call('HGETALL', KEYS[2])}
 end
-redis.call('HSET', KEYS[1], 'dataset_fingerprint', ARGV[2], 'config_fingerprint', ARGV[3],
-  'world_size', ARGV[4], 'created', ARGV[5], 'updated', ARGV[5], 'incarnation', ARGV[6], 'plan', ARGV[7])
+redis.call('HSET', KEYS[1], 'format', FORMAT_VERSION, 'dataset_fingerprint', ARGV[2],
+  'config_fingerprint', ARGV[3], 'world_size', ARGV[4], 'created', ARGV[5], 'updated', ARGV[5],
+  'incarnation', ARGV[6], 'plan', ARGV[7])
 fill(tonumber(ARGV[4]), '0,0,0,' .. ARGV[5])
 touch(ARGV[8])
 return {'created'}
@@ -142,6 +165,8 @@ return {'created'}
 _JOIN: Final = (
     _LUA_HELPERS
     + """
+local format = redis.call('HGET', KEYS[1], 'format')
+if not ours(format) then return {'format', format} end
 local world_size = redis.call('HGET', KEYS[1], 'world_size')
 if not world_size then return {'missing'} end
 if world_size ~= ARGV[2] then return {'world_size', world_size} end
@@ -160,6 +185,8 @@ return {'ok', epoch, step, generation}
 _MOVE: Final = (
     _LUA_HELPERS
     + """
+local format = redis.call('HGET', KEYS[1], 'format')
+if not ours(format) then return {'format', format} end
 local world_size = redis.call('HGET', KEYS[1], 'world_size')
 if not world_size then return {'missing'} end
 local value = redis.call('HGET', KEYS[2], ARGV[1])
@@ -190,6 +217,7 @@ _RESIZE: Final = (
 local job = redis.call('HGETALL', KEYS[1])
 if #job == 0 then return {'missing'} end
 local f = fields(job)
+if not ours(f.format) then return {'format', f.format} end
 if f.world_size == ARGV[2] then
   touch(ARGV[6])
   return {'same', job, redis.call('HGETALL', KEYS[2])}
@@ -413,6 +441,26 @@ class _Record:
     def corrupt(self, field: str, detail: str, *, key: int = 0) -> StoreCorruptError:
         return StoreCorruptError(self.job, self.keys[key], field, detail)
 
+    def version(self) -> int:
+        """The job's format version: 1 if it has none (an earlier ladle wrote it).
+
+        ``StoreFormatError`` for a version above ``FORMAT_VERSION``,
+        ``StoreCorruptError`` for a value that is no version (the scripts'
+        ``ours`` refuses exactly these two).
+        """
+        value = self.fields.get("format")
+        if value is None:
+            return 1
+        try:
+            version = int(value) if value.isascii() and value.isdigit() else 0
+        except ValueError:  # more digits than int() reads: no version either
+            version = 0
+        if version < 1:
+            raise self.corrupt("format", f"holds format={shown_value(value)}, not a format version")
+        if version > FORMAT_VERSION:
+            raise StoreFormatError(self.job, self.keys[0], version, FORMAT_VERSION)
+        return version
+
     def text(self, field: str) -> str:
         value = self.fields.get(field)
         if value is None:
@@ -466,6 +514,7 @@ class _Record:
             raise self.corrupt(str(rank), detail, key=1) from None
 
     def state(self) -> JobState:
+        self.version()  # first: a newer format may lay out the other fields differently
         spec = self.spec()
         return JobState(
             spec,
@@ -722,6 +771,11 @@ class RedisCursorStore(CursorStore):
     def _record(self, job: str, job_flat: list[str], ranks_flat: list[str] | None = None) -> _Record:
         return _Record(job, self._keys(job), job_flat, ranks_flat)
 
+    def _refuse_format(self, job: str, reply: list[str], what: str) -> NoReturn:
+        """Raise the error for a script that found a format it does not write (``reply[1]``)."""
+        self._record(job, ["format", reply[1]] if len(reply) > 1 else []).version()
+        self._unexpected(what, reply)  # the script and _Record.version disagree
+
     def _world_size(self, job: str, reply: list[str]) -> int:
         """The stored world size a script returned as ``reply[1]`` (Lua ends a table at a nil: absent)."""
         return self._record(job, ["world_size", reply[1]] if len(reply) > 1 else []).integer("world_size")
@@ -761,6 +815,8 @@ class RedisCursorStore(CursorStore):
             plan_to_json(plan),
             self._ttl,
         )
+        if reply[0] == "format":
+            self._refuse_format(spec.job, reply, "open_job")
         if reply[0] == "exists":
             state = self._record(spec.job, reply[1], reply[2]).state()
             check_identity(state.spec, spec)
@@ -787,6 +843,8 @@ class RedisCursorStore(CursorStore):
             self._ttl,
         )
         status = reply[0]
+        if status == "format":
+            self._refuse_format(job, reply, "resize")
         if status == "missing":
             raise JobNotFoundError(job)
         if status == "same":
@@ -808,6 +866,8 @@ class RedisCursorStore(CursorStore):
         now = self._now()
         reply = self._run(self._join_script, job, str(rank), str(world_size), repr(now), self._ttl)
         status = reply[0]
+        if status == "format":
+            self._refuse_format(job, reply, "join")
         if status == "missing":
             raise JobNotFoundError(job)
         if status == "world_size":
@@ -830,6 +890,8 @@ class RedisCursorStore(CursorStore):
             self._ttl,
         )
         status = reply[0]
+        if status == "format":
+            self._refuse_format(job, reply, mode)
         if status == "missing":
             raise JobNotFoundError(job)
         if status == "rank":

@@ -38,7 +38,9 @@ from ladle.service.errors import (  # noqa: E402
     JobNotFoundError,
     StoreCorruptError,
     StoreError,
+    StoreFormatError,
     StoreUnavailableError,
+    reason_of,
 )
 from ladle.service.store import (  # noqa: E402
     Clock,
@@ -50,7 +52,7 @@ from ladle.service.store import (  # noqa: E402
     open_store,
 )
 from ladle.service.store.base import MAX_INDEX  # noqa: E402
-from ladle.service.store.redis import redact_url, redis_client  # noqa: E402
+from ladle.service.store.redis import FORMAT_VERSION, redact_url, redis_client  # noqa: E402
 from tests.contract.store_contract import SPEC, MakeStore, StoreContract, StoreFactory  # noqa: E402
 from tests.support.certs import Pki, make_pki, openssl_available  # noqa: E402
 from tests.support.redis_server import RedisServer  # noqa: E402
@@ -731,6 +733,11 @@ def _not_a_hash(store: CursorStore, client: redis.Redis) -> None:
     client.set(BAD_JOB, "{}")
 
 
+def _bad_format(store: CursorStore, client: redis.Redis) -> None:
+    store.open_job(BAD)
+    client.hset(BAD_JOB, "format", "v2")
+
+
 SPOILS: dict[str, tuple[Callable[[CursorStore, redis.Redis], None], str, str]] = {
     "missing field": (_missing_field, BAD_JOB, "dataset_fingerprint"),
     "bad rank value": (_bad_rank, BAD_RANKS, "0"),
@@ -738,6 +745,7 @@ SPOILS: dict[str, tuple[Callable[[CursorStore, redis.Redis], None], str, str]] =
     "bad plan": (_bad_plan, BAD_JOB, "plan"),
     "bad world size": (_bad_world_size, BAD_JOB, "world_size"),
     "not a hash": (_not_a_hash, BAD_JOB, ""),
+    "bad format": (_bad_format, BAD_JOB, "format"),
 }
 
 
@@ -771,7 +779,11 @@ def test_a_malformed_job_is_a_typed_error_and_left_out_of_listings(
 
 @pytest.mark.parametrize(
     ("spoil", "refused"),
-    [("bad rank value", ("join", "advance", "resize")), ("bad world size", ("join", "resize"))],
+    [
+        ("bad rank value", ("join", "advance", "resize")),
+        ("bad world size", ("join", "resize")),
+        ("bad format", ("join", "advance", "resize")),
+    ],
 )
 def test_a_trainer_of_a_malformed_job_gets_the_typed_error(
     spoil: str, refused: tuple[str, ...], redis_server: RedisServer
@@ -818,3 +830,156 @@ def test_ladle_jobs_lists_around_a_malformed_job_and_deletes_it_with_force(
     assert cli.main(["jobs", *flags, "--json"]) == 0
     assert [j["job"] for j in json.loads(capsys.readouterr().out)] == ["good"]
     assert "left out" not in caplog.text, "a deleted job is still reported"
+
+
+# --- the format version -----------------------------------------------------------
+# A job hash records the version of its layout (``format``); a ladle refuses a job of a newer
+# layout rather than misread it or call it corrupt, and writes nothing to it.
+
+
+def _hashes(client: redis.Redis) -> dict[str, tuple[object, object]]:
+    """Both keys of the job ``bad``: their fields and their TTL (a refused write touches neither)."""
+    return {key: (client.hgetall(key), client.pttl(key)) for key in (BAD_JOB, BAD_RANKS)}
+
+
+def _persisted(client: redis.Redis) -> dict[str, tuple[object, object]]:
+    """``_hashes`` after removing the TTLs: a write that refreshed one would show as a PTTL other than -1."""
+    for key in (BAD_JOB, BAD_RANKS):
+        client.persist(key)
+    return _hashes(client)
+
+
+def test_a_new_job_records_the_format_version(redis_server: RedisServer) -> None:
+    with RedisCursorStore(redis_server.url) as store, redis_server.client() as client:
+        store.open_job(BAD)
+        assert FORMAT_VERSION == 1
+        assert client.hget(BAD_JOB, "format") == "1", "a new job does not record its format"
+        # a reset re-creates the job: with the format, whatever was there (here a job of a newer ladle)
+        client.hset(BAD_JOB, "format", "2")
+        assert store.open_job(BAD, reset=True).spec == BAD
+        assert client.hget(BAD_JOB, "format") == "1", "a reset job does not record its format"
+
+
+def test_a_job_without_a_format_is_version_1_and_kept_as_it_is(redis_server: RedisServer) -> None:
+    """Jobs written by releases before the field existed: read and written, the field never added."""
+    with RedisCursorStore(redis_server.url) as store, redis_server.client() as client:
+        store.open_job(BAD)
+        assert client.hdel(BAD_JOB, "format") == 1
+        assert store.get("bad").spec == BAD
+        assert store.open_job(BAD).spec == BAD
+        generation = store.join("bad", 0, 2).generation
+        assert store.advance("bad", 0, generation, Position(0, 5)).position == Position(0, 5)
+        assert store.rewind("bad", 0, generation, Position(0, 2)).position == Position(0, 2)
+        assert store.reconcile("bad", 1, 7, Position(0, 3)).generation == 7
+        assert store.get("bad").ranks[0].position == Position(0, 2), "an old job did not advance"
+        assert [j.job for j in store.list_jobs()] == ["bad"]
+        assert store.resize("bad", 2, 3).spec.world_size == 3
+        assert store.resize("bad", 2, 3).spec.world_size == 3  # the same size: returned unchanged
+        assert not client.hexists(BAD_JOB, "format"), "a write rewrote an old job's hash"
+
+
+NEWER_FORMAT_OPERATIONS: dict[str, Callable[[CursorStore, int], object]] = {
+    "get": lambda store, _: store.get("bad"),
+    "open_job": lambda store, _: store.open_job(BAD),
+    "open_job, another spec": lambda store, _: store.open_job(JobSpec("bad", "other", "c", 4)),
+    "join": lambda store, _: store.join("bad", 0, 2),
+    "advance": lambda store, generation: store.advance("bad", 0, generation, Position(0, 1)),
+    "rewind": lambda store, generation: store.rewind("bad", 0, generation, Position(0, 0)),
+    "reconcile": lambda store, generation: store.reconcile("bad", 1, generation + 5, Position(0, 3)),
+    "resize": lambda store, _: store.resize("bad", 2, 3),
+    "resize, already at the size": lambda store, _: store.resize("bad", 3, 2),
+}
+
+
+@pytest.mark.parametrize("layout", ["same fields", "other fields"])
+@pytest.mark.parametrize("operation", NEWER_FORMAT_OPERATIONS)
+def test_a_job_of_a_newer_format_is_refused_and_left_unchanged(
+    operation: str, layout: str, redis_server: RedisServer
+) -> None:
+    """A read and every write refuse it with one typed error; the scripts write nothing, TTL included."""
+    with RedisCursorStore(redis_server.url) as store, redis_server.client() as client:
+        store.open_job(BAD)
+        generation = store.join("bad", 0, 2).generation
+        store.advance("bad", 0, generation, Position(0, 4))
+        client.hset(BAD_JOB, "format", str(FORMAT_VERSION + 1))
+        if layout == "other fields":  # what a newer layout may do: no field this ladle looks for
+            client.hdel(BAD_JOB, "world_size", "plan")
+            client.hset(BAD_JOB, "shape", "[2]")
+        before = _persisted(client)
+        with pytest.raises(StoreFormatError) as info:
+            NEWER_FORMAT_OPERATIONS[operation](store, generation)
+        assert _hashes(client) == before, f"{operation} changed a job of a newer format"
+        exc = info.value
+        assert isinstance(exc, StoreCorruptError)
+        assert (exc.job, exc.key, exc.field, exc.version, exc.supported) == ("bad", BAD_JOB, "format", 2, 1)
+        assert str(exc).startswith(
+            "job 'bad' in the cursor store (key ladle:{bad}:job) has format version 2, newer than this "
+            "ladle's 1: upgrade ladle, or delete the job with `ladle jobs --delete bad --force`"
+        ), str(exc)
+        assert (exc.kind, reason_of(exc)) == ("failed_precondition", "store_format_newer")
+        again = pickle.loads(pickle.dumps(exc))
+        assert (type(again), str(again), again.version) == (StoreFormatError, str(exc), 2)
+
+
+@pytest.mark.parametrize("value", ["", "two", "1.0", "0", "-1", " 1", "1 ", "+1", "1e0", "\u0661"])
+def test_a_format_that_is_no_version_is_corrupt_for_reads_and_writes(
+    value: str, redis_server: RedisServer
+) -> None:
+    with RedisCursorStore(redis_server.url) as store, redis_server.client() as client:
+        store.open_job(BAD)
+        generation = store.join("bad", 0, 2).generation
+        client.hset(BAD_JOB, "format", value)
+        before = _persisted(client)
+        for operation in ("get", "open_job", "join", "advance", "resize"):
+            with pytest.raises(StoreCorruptError) as info:
+                NEWER_FORMAT_OPERATIONS[operation](store, generation)
+            assert type(info.value) is StoreCorruptError, f"{operation}: {info.value}"
+            assert (info.value.key, info.value.field) == (BAD_JOB, "format"), str(info.value)
+            assert _hashes(client) == before, f"{operation} changed a job whose format is {value!r}"
+
+
+@pytest.mark.parametrize("value", ["1", "01", "0001", "2", "10", "9" * 30, "9" * 5000])
+def test_the_scripts_and_the_reader_agree_on_each_format(value: str, redis_server: RedisServer) -> None:
+    """The Lua check and ``_Record.version`` are written twice: a read and a write must say the same."""
+    with RedisCursorStore(redis_server.url) as store, redis_server.client() as client:
+        store.open_job(BAD)
+        client.hset(BAD_JOB, "format", value)
+        outcomes = []
+        for call in (lambda: store.get("bad"), lambda: store.join("bad", 0, 2)):
+            try:
+                call()
+                outcomes.append("ok")
+            except StoreCorruptError as exc:
+                outcomes.append(type(exc).__name__)
+        read, write = outcomes
+        assert read == write, f"format {value[:20]!r}: a read says {read}, a write says {write}"
+        assert (outcomes[0] == "ok") == (value.lstrip("0") == "1"), outcomes
+
+
+def test_listings_leave_out_a_job_of_a_newer_format(
+    redis_server: RedisServer,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    monkeypatch.delenv(cli.REDIS_URL_ENV, raising=False)
+    flags = ["--redis-url", redis_server.url]
+    with RedisCursorStore(redis_server.url) as store, redis_server.client() as client:
+        store.open_job(GOOD)
+        store.open_job(BAD)
+        client.hset(BAD_JOB, "format", "2")
+        with caplog.at_level("WARNING", logger="ladle.store"):
+            assert [j.job for j in store.list_jobs()] == ["good"], "the newer job was not left out"
+            assert [j.job for j in store.list_jobs()] == ["good"]
+        warnings = [r.getMessage() for r in caplog.records if "left out" in r.getMessage()]
+        assert len(warnings) == 1, f"one warning for the left-out job, not {warnings}"
+        assert "format version 2" in warnings[0], warnings
+        assert "upgrade ladle" in warnings[0], warnings
+    assert cli.main(["jobs", *flags, "--json"]) == 0
+    assert [j["job"] for j in json.loads(capsys.readouterr().out)] == ["good"]
+    assert cli.main(["jobs", *flags, "--delete", "bad"]) == 2
+    refused = capsys.readouterr().err
+    assert "upgrade ladle" in refused, refused
+    assert "--force" in refused, refused
+    assert cli.main(["jobs", *flags, "--delete", "bad", "--force"]) == 0
+    assert "deleted job 'bad'" in capsys.readouterr().out
