@@ -293,9 +293,11 @@ def test_unknown_jobs_and_bad_names(module_server: ServerProcess, capsys: pytest
     assert "no-such-job" in failed.value.read().decode()
     assert cli.main(["inspect", "--server", module_server.http_url, "--job", "no-such-job"]) == 2
     assert "HTTP 404" in capsys.readouterr().err
-    # a gRPC refusal counts too
+    # a gRPC refusal counts too: a job of 2 ranks (made here, so the test runs alone) asked for 3
+    with BatchClient(0, 2, module_server.address, "http-refused", timeout=10) as client:
+        next(iter(client))
     with (
-        BatchClient(0, 3, module_server.address, "http-run", timeout=10) as client,
+        BatchClient(0, 3, module_server.address, "http-refused", timeout=10) as client,
         pytest.raises(BatchClientError),
     ):
         next(iter(client))
