@@ -19,7 +19,12 @@ Every figure is printed beside a baseline measured in the same run, on
    what the polled reader gains. And ladle and the bare stream once more with
    the server process on one CPU and the client processes on the other
    (``sched_setaffinity``; Linux, 2 CPUs or more): a server with a core of its
-   own, as deployed, where the figure's setup shares both cores. The ratios
+   own, as deployed, where the figure's setup shares both cores. The client
+   processes use the transport ``ladle`` chooses for grpcio's import
+   (``ladle.proto.transport``: iomgr's poller), for ladle and the bare stream
+   alike; a second pair of client processes runs ladle and the bare stream
+   on grpcio's own default transport (the EventEngine, ``GRPC_EXPERIMENTS``
+   set empty), so the transport's effect on both is shown. The ratios
    are paired per repeat (runs seconds apart) and their medians reported,
    as in ``bench_wire``. CPU per batch (server process, and the clients'
    processes, all threads) says where the cores went.
@@ -77,7 +82,7 @@ from benchmarks.bench_wire import (
     _stop_all,
     _tcp_serve,
 )
-from ladle.proto import rpc
+from ladle.proto import rpc, transport
 from ladle.service.synth import make_dataset
 
 PREFETCH = 8
@@ -629,7 +634,15 @@ def _latency(address: str, job: str, batches: int) -> dict[str, Any]:
 
 
 _SYNCED = frozenset({"ladle_epoch", "bare_grpc", "shape_grpc", "tcp"})  # jobs that take start_at
+
+
+def _transport() -> dict[str, Any]:
+    """The client transport this worker process's grpcio runs on, in words."""
+    return {"transport": transport.chosen()}
+
+
 _JOBS: dict[str, Callable[..., dict[str, Any]]] = {
+    "transport": _transport,
     "ladle_epoch": _ladle_epoch,
     "bare_grpc": _bare_grpc,
     "shape_grpc": _shape_grpc,
@@ -662,7 +675,8 @@ def _worker(jobs: Any, results: Any) -> None:
 class _Clients:
     """``n`` worker processes (spawn: grpc and fork do not mix); ``run`` starts jobs on them together."""
 
-    def __init__(self, n: int, daemon: bool = True) -> None:
+    def __init__(self, n: int, daemon: bool = True, env: dict[str, str] | None = None) -> None:
+        """``env``: variables the processes start with (beside this process's environment)."""
         self.ctx = mp.get_context("spawn")
         self.results = self.ctx.Queue()
         self.jobs = [self.ctx.Queue() for _ in range(n)]
@@ -672,8 +686,17 @@ class _Clients:
             )
             for i, q in enumerate(self.jobs)
         ]
-        for process in self.processes:
-            process.start()
+        saved = {key: os.environ.get(key) for key in env or {}}
+        os.environ.update(env or {})
+        try:
+            for process in self.processes:
+                process.start()
+        finally:
+            for key, value in saved.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
 
     def run(self, name: str, kwargs: list[dict[str, Any]], delay: float = 0.5) -> list[dict[str, Any]]:
         """Run ``name`` on the first len(kwargs) workers, starting together after ``delay`` seconds."""
@@ -772,6 +795,8 @@ def _median(runs: list[dict[str, Any]], key: str, digits: int = 3) -> float:
 def bench_throughput(dataset: Path, workdir: Path, repeats: int) -> dict[str, Any]:
     """Figure 1: 2 ranks of world size 2, one epoch each, beside bare gRPC and raw TCP."""
     clients = _Clients(2)
+    # the same clients on grpcio's own transport: a GRPC_EXPERIMENTS of their own (empty) is theirs
+    default_clients = _Clients(2, env={"GRPC_EXPERIMENTS": ""})
     ctx = clients.ctx
     stop = ctx.Event()
     ports = ctx.Queue()
@@ -787,9 +812,15 @@ def bench_throughput(dataset: Path, workdir: Path, repeats: int) -> dict[str, An
         "tcp_1_reader": [],
         "ladle_own_core": [],
         "bare_grpc_own_core": [],
+        "ladle_grpc_default_transport": [],
+        "bare_grpc_default_transport": [],
     }
     cpus = _two_cpus()
     try:
+        transports = {
+            "clients": clients.run("transport", [{}])[0]["transport"],
+            "default_transport_clients": default_clients.run("transport", [{}])[0]["transport"],
+        }
         server = _Ladle(dataset, workdir, "throughput")
         for r in range(repeats):
             # Repeats outermost: a burst of load from elsewhere hits every case once.
@@ -848,6 +879,27 @@ def bench_throughput(dataset: Path, workdir: Path, repeats: int) -> dict[str, An
             runs["shape_grpc"].append(
                 _timed(clients, shape.pid, "shape_grpc", [{"port": shape_port, "rank": i} for i in range(2)])
             )
+            runs["ladle_grpc_default_transport"].append(
+                _timed(
+                    default_clients,
+                    server.pid,
+                    "ladle_epoch",
+                    [
+                        {
+                            "address": server.address,
+                            "job": f"throughput-default-{r}",
+                            "rank": i,
+                            "world_size": 2,
+                        }
+                        for i in range(2)
+                    ],
+                )
+            )
+            runs["bare_grpc_default_transport"].append(
+                _timed(
+                    default_clients, bare.pid, "bare_grpc", [{"port": grpc_port, "rank": i} for i in range(2)]
+                )
+            )
             runs["tcp_2_readers"].append(
                 _timed(
                     clients,
@@ -891,6 +943,7 @@ def bench_throughput(dataset: Path, workdir: Path, repeats: int) -> dict[str, An
         if server is not None:
             server.stop()
         clients.close()
+        default_clients.close()
         _stop_all([p for p in (bare, shape) if p is not None])
     for case_runs in runs.values():
         for run in case_runs:
@@ -904,6 +957,9 @@ def bench_throughput(dataset: Path, workdir: Path, repeats: int) -> dict[str, An
     in_shape = paired_ratio("ladle", "shape_grpc")
     polled = paired_ratio("ladle", "ladle_thread_reader")
     own_core = paired_ratio("ladle_own_core", "bare_grpc_own_core") if cpus is not None else []
+    default_transport = paired_ratio("ladle_grpc_default_transport", "bare_grpc_default_transport")
+    ladle_transport = paired_ratio("ladle", "ladle_grpc_default_transport")
+    bare_transport = paired_ratio("bare_grpc", "bare_grpc_default_transport")
     first = runs["ladle"][0]
     out: dict[str, Any] = {
         "rows": None,
@@ -939,12 +995,22 @@ def bench_throughput(dataset: Path, workdir: Path, repeats: int) -> dict[str, An
         "ratio_own_core_paired": _r(statistics.median(own_core), 2) if own_core else None,
         "own_core_ratio_runs": [_r(p, 2) for p in own_core],
         "own_core_cpus": list(cpus) if cpus is not None else None,
+        "client_transports": transports,
+        "ratio_default_transport_paired": _r(statistics.median(default_transport), 2),
+        "default_transport_ratio_runs": [_r(p, 2) for p in default_transport],
+        "ratio_ladle_transport_vs_default_paired": _r(statistics.median(ladle_transport), 2),
+        "ratio_bare_transport_vs_default_paired": _r(statistics.median(bare_transport), 2),
         "server_log_problems": problems[-10:],
         "target": "ladle / bare gRPC >= 0.70 (GB/s of the same messages); TCP: the physical limit",
         "own_core_note": (
             "ladle_own_core and bare_grpc_own_core: the same streams with the server process on one CPU and "
             "the 2 client processes on the other (sched_setaffinity), as when the server has cores of its "
             "own; the issue's figure is ladle / bare gRPC with everything sharing both cores"
+        ),
+        "transport_note": (
+            "every case but the *_default_transport ones runs its clients on the transport ladle chooses "
+            "for grpcio (client_transports); ladle_grpc_default_transport and bare_grpc_default_transport "
+            "run the same streams from client processes on grpcio's own default transport"
         ),
         "shape_note": (
             "shape_grpc: the same frames in ladle's call shape with no ladle logic (grpc.aio server, "
@@ -1157,6 +1223,16 @@ def summary(results: dict[str, Any]) -> list[str]:
         f"{c['ladle_thread_reader']['client_cpu_us_per_batch']:,.0f} us a batch -> the polled reader is "
         f"{tp['ratio_polled_vs_thread_reader_paired']}x of it",
     ]
+    lines.append(
+        f"client transport: {tp['client_transports']['clients']}; on grpcio's default "
+        f"({tp['client_transports']['default_transport_clients']}): ladle "
+        f"{c['ladle_grpc_default_transport']['gb_s']} GB/s, "
+        f"{c['ladle_grpc_default_transport']['client_cpu_us_per_batch']:,.0f} us a batch in the clients; "
+        f"bare gRPC {c['bare_grpc_default_transport']['gb_s']} GB/s -> "
+        f"{tp['ratio_default_transport_paired']}x; ladle's transport is "
+        f"{tp['ratio_ladle_transport_vs_default_paired']}x the default for ladle, "
+        f"{tp['ratio_bare_transport_vs_default_paired']}x for the bare stream"
+    )
     if tp["ratio_own_core_paired"] is not None:
         lines.append(
             f"the servers on CPU {tp['own_core_cpus'][0]}, the trainers on CPU {tp['own_core_cpus'][1]} (a "

@@ -26,6 +26,8 @@ from typing import Any
 
 import grpc
 
+from ladle.proto import transport
+
 try:  # grpcio's own layer: present in every grpcio this package supports, checked anyway
     from grpc import _common as _grpc_common
     from grpc._cython import cygrpc as _cygrpc
@@ -62,16 +64,12 @@ _RECEIVE, _SEND, _CLOSE = "receive", "send", "close"
 # The grpcio minor versions this module was tested with (its Cython layer is not a public API,
 # so a later grpcio may change it without notice): BatchClient uses a DirectCall on these only,
 # unless LADLE_CLIENT_READER=polled asks for it on any grpcio that has the calls.
-TESTED_GRPC: tuple[tuple[int, int], ...] = ((1, 85),)
+TESTED_GRPC = transport.TESTED_GRPC
 
 
 def grpc_is_tested(version: str | None = None) -> bool:
     """True if grpcio ``version`` (default: the one imported) is one this module was tested with."""
-    parts = str(version or getattr(grpc, "__version__", "")).split(".")
-    try:
-        return (int(parts[0]), int(parts[1])) in TESTED_GRPC
-    except (IndexError, ValueError):
-        return False
+    return transport.grpc_is_tested(str(version or getattr(grpc, "__version__", "")))
 
 
 def available(channel: Any) -> bool:
