@@ -47,7 +47,7 @@ TESTED_GRPC: tuple[tuple[int, int], ...] = ((1, 85),)
 CLIENT_EXPERIMENTS: Final = "-event_engine_client"
 """The experiments ladle asks for: grpcio's iomgr transport for client channels."""
 
-_chosen = "not chosen: ladle.proto.transport.choose() was not called"
+_chosen: str | None = None  # what choose() did, once it has
 
 
 def grpc_is_tested(version: str) -> bool:
@@ -66,29 +66,30 @@ def choose() -> str:
     again changes nothing.
     """
     global _chosen
-    if not _chosen.startswith("not chosen"):
-        return _chosen
-    if "GRPC_EXPERIMENTS" in os.environ:
-        _chosen = f"grpcio's, as GRPC_EXPERIMENTS={os.environ['GRPC_EXPERIMENTS']!r} asks"
-    elif "grpc" in sys.modules:
-        _chosen = "grpcio's own: grpcio was imported before ladle"
-    else:
-        try:
-            version = metadata.version("grpcio")
-        except metadata.PackageNotFoundError:
-            version = "unknown"
-        if not grpc_is_tested(version):
-            _chosen = f"grpcio's own: grpcio {version} is not one ladle's transport was tested with"
-        else:
-            os.environ["GRPC_EXPERIMENTS"] = CLIENT_EXPERIMENTS
-            try:
-                import grpc  # noqa: F401  (reads GRPC_EXPERIMENTS now, and only now)
-            finally:
-                del os.environ["GRPC_EXPERIMENTS"]
-            _chosen = f"iomgr (GRPC_EXPERIMENTS={CLIENT_EXPERIMENTS} for grpcio's import)"
+    if _chosen is None:
+        _chosen = _choose()
     return _chosen
+
+
+def _choose() -> str:
+    if "GRPC_EXPERIMENTS" in os.environ:
+        return f"grpcio's, as GRPC_EXPERIMENTS={os.environ['GRPC_EXPERIMENTS']!r} asks"
+    if "grpc" in sys.modules:
+        return "grpcio's own: grpcio was imported before ladle"
+    try:
+        version = metadata.version("grpcio")
+    except metadata.PackageNotFoundError:
+        version = "unknown"
+    if not grpc_is_tested(version):
+        return f"grpcio's own: grpcio {version} is not one ladle's transport was tested with"
+    os.environ["GRPC_EXPERIMENTS"] = CLIENT_EXPERIMENTS
+    try:
+        import grpc  # noqa: F401  (reads GRPC_EXPERIMENTS now, and only now)
+    finally:
+        del os.environ["GRPC_EXPERIMENTS"]
+    return f"iomgr (GRPC_EXPERIMENTS={CLIENT_EXPERIMENTS} for grpcio's import)"
 
 
 def chosen() -> str:
     """What :func:`choose` did in this process, in words (for logs and benchmarks)."""
-    return _chosen
+    return _chosen or "not chosen: ladle.proto.transport.choose() was not called"
