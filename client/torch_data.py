@@ -49,6 +49,12 @@ _IN_PROCESS = (
 )
 
 
+def check_in_process() -> None:
+    """Refuses a ``DataLoader`` worker process (``BatchDataset``'s and ``ladle.client.hf``'s)."""
+    if get_worker_info() is not None:
+        raise BatchClientError(_IN_PROCESS)
+
+
 class BatchDataset(IterableDataset[Batch]):
     """One epoch per iteration of a ``BatchClient``: the one given, or one made lazily with these arguments.
 
@@ -73,8 +79,7 @@ class BatchDataset(IterableDataset[Batch]):
         return self._client
 
     def __iter__(self) -> Iterator[Batch]:
-        if get_worker_info() is not None:
-            raise BatchClientError(_IN_PROCESS)
+        check_in_process()
         return iter(self.client)
 
     def __getstate__(self) -> dict[str, Any]:

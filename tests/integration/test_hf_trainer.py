@@ -1,0 +1,172 @@
+"""``LadleTrainer``: Hugging Face's ``Trainer`` on a real server's batches, alone and under torchrun.
+
+Every batch a training step took is compared, by a digest of its
+``input_ids``, with the rank's stream read straight from the server by a
+plain ``BatchClient`` on another job (the schedule does not depend on the
+job's name): across epochs, across a resume from a checkpoint, and on two
+DDP ranks.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from ladle.client import BatchClient
+from ladle.client.errors import BatchClientError
+from ladle.client.hf import LadleTrainer, model_inputs, state_file
+from ladle.service.synth import make_dataset
+from tests.integration import hf_trainer_proc
+from tests.integration.hf_trainer_proc import VOCAB, digest, run
+from tests.support.session import run_in_session
+
+PROC = Path(hf_trainer_proc.__file__)
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """About 22 batches an epoch on one rank: a two-epoch run is quick."""
+    out = tmp_path_factory.mktemp("hf-ds") / "ds"
+    make_dataset(out, 300, seed=5, scale=1 / 16, vocab_size=VOCAB)
+    return out
+
+
+@pytest.fixture
+def server(server_factory: Callable[..., Any], dataset: Path) -> Any:
+    return server_factory(dataset=dataset)
+
+
+def stream(server: Any, rank: int, world: int, batches: int) -> list[str]:
+    """The first ``batches`` of the rank's stream across epochs, as ``model_inputs`` digests."""
+    got: list[str] = []
+    with BatchClient(rank, world, server.address, f"reference-{rank}-of-{world}", timeout=30) as client:
+        while len(got) < batches:
+            before = len(got)
+            for batch in client:
+                got.append(digest(model_inputs(batch)["input_ids"]))
+                if len(got) == batches:
+                    break
+            assert len(got) > before, "an empty epoch"
+    return got
+
+
+def trained(out: Path, rank: int = 0) -> list[str]:
+    lines = (out / f"rank-{rank}.jsonl").read_text().splitlines()
+    return [json.loads(line)["digest"] for line in lines]
+
+
+def test_two_epochs_train_on_the_stream_with_none_skipped_or_repeated(server: Any, tmp_path: Path) -> None:
+    """Trainer's epochs are epoch 0's length; ladle's differ by a few batches, and the seams lose none."""
+    result = run(server.address, "epochs", tmp_path, epochs=2, accumulate=3)
+    length = result["length"]
+    assert length > 10
+    expected = stream(server, 0, 1, 2 * length)
+    assert trained(tmp_path) == expected, "Trainer trained on other batches than the rank's stream"
+    assert result["global_step"] == 2 * -(-length // 3)  # the last update of an epoch takes the rest
+    assert result["state"]["epoch"] >= 1, "the second epoch was not reached"
+
+
+@pytest.mark.parametrize(("accumulate", "ignore_data_skip"), [(1, False), (2, False), (2, True)])
+def test_a_resumed_run_trains_as_an_uninterrupted_one(
+    server: Any, tmp_path: Path, accumulate: int, ignore_data_skip: bool
+) -> None:
+    """Same batches, same losses: the checkpoint's position is loaded, and Trainer does not skip again.
+
+    ``ignore_data_skip`` is how a transformers without ``get_resumed_dataloader`` runs.
+    """
+    whole = run(server.address, "resume", tmp_path / "whole", max_steps=8, accumulate=accumulate,
+                save_steps=3)  # fmt: skip
+    checkpoint = tmp_path / "whole" / "checkpoints" / "checkpoint-3"
+    assert json.loads(state_file(checkpoint, 0).read_text())["step"] == 3 * accumulate
+    resumed = run(server.address, "resume", tmp_path / "resumed", max_steps=8, accumulate=accumulate,
+                  resume=str(checkpoint), ignore_data_skip=ignore_data_skip)  # fmt: skip
+    assert trained(tmp_path / "resumed") == trained(tmp_path / "whole")[3 * accumulate :], (
+        "the resumed run trained on other batches than the uninterrupted run after its checkpoint"
+    )
+    for step in range(4, 9):
+        assert resumed["losses"][str(step)] == pytest.approx(whole["losses"][str(step)], rel=1e-4), step
+    assert resumed["state"] == whole["state"]
+
+
+def test_resume_from_the_last_checkpoint(server: Any, tmp_path: Path) -> None:
+    run(server.address, "last", tmp_path, max_steps=4, save_steps=2)
+    more = run(server.address, "last", tmp_path, max_steps=6, resume="last")  # from checkpoint-4
+    assert more["global_step"] == 6
+    assert trained(tmp_path) == stream(server, 0, 1, 6), "the two runs together are not one stream"
+
+
+def test_a_checkpoint_without_a_position_goes_on_from_the_cursor_with_a_warning(
+    server: Any, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A checkpoint saved by a plain Trainer: the stored cursor is all there is, and the log says so."""
+    run(server.address, "no-position", tmp_path / "first", max_steps=4, save_steps=2)
+    checkpoint = tmp_path / "checkpoint-2"
+    shutil.copytree(tmp_path / "first" / "checkpoints" / "checkpoint-2", checkpoint)
+    state_file(checkpoint, 0).unlink()
+    with caplog.at_level(logging.WARNING, logger="ladle.client.hf"):
+        run(server.address, "no-position", tmp_path / "second", max_steps=4, resume=str(checkpoint))
+    assert "has no ladle position for rank 0" in caplog.text
+    assert trained(tmp_path / "second") == stream(server, 0, 1, 6)[4:], "not from the cursor on"
+
+
+def test_a_corrupt_position_is_a_clear_error(server: Any, tmp_path: Path) -> None:
+    run(server.address, "corrupt", tmp_path / "first", max_steps=2, save_steps=2)
+    checkpoint = tmp_path / "first" / "checkpoints" / "checkpoint-2"
+    state_file(checkpoint, 0).write_text('{"version": 1, "job": "corr')
+    with pytest.raises(BatchClientError, match="is not a ladle position"):
+        run(server.address, "corrupt", tmp_path / "second", max_steps=4, resume=str(checkpoint))
+
+
+def tiny_trainer(tmp_path: Path, **kwargs: Any) -> LadleTrainer:
+    from transformers import LlamaConfig, LlamaForCausalLM, TrainingArguments
+
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
+                         num_attention_heads=1, num_key_value_heads=1)  # fmt: skip
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[])
+    return LadleTrainer(model=LlamaForCausalLM(config), args=args, **kwargs)
+
+
+def test_a_client_of_another_rank_or_world_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(BatchClientError, match=r"rank 1 of 2, but this process is rank 0 of 1"):
+        tiny_trainer(tmp_path, client=BatchClient(1, 2, "127.0.0.1:1", "other-rank"))
+
+
+@pytest.mark.parametrize("given", ["train_dataset", "data_collator"])
+def test_a_dataset_or_collator_is_refused(tmp_path: Path, given: str) -> None:
+    with pytest.raises(TypeError, match=f"leave out {given}="):
+        tiny_trainer(tmp_path, client=BatchClient(0, 1, "127.0.0.1:1", "given"), **{given: object()})
+
+
+def torchrun(server: Any, out: Path, *args: str) -> None:
+    """Two ranks, each with the client LadleTrainer makes from the environment, as a launcher gives it."""
+    cmd = [
+        "env", f"LADLE_SERVER={server.address}", "LADLE_JOB=ddp",
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+        str(PROC), "env", "-", str(out), *args,
+    ]  # fmt: skip
+    code, output = run_in_session(cmd, timeout=240)
+    (out.parent / f"{out.name}.log").write_text(output)
+    assert code == 0, f"torchrun failed (all of it in {out.name}.log):\n{output[-4000:]}"
+
+
+def test_two_ddp_ranks_under_torchrun_train_on_their_streams_and_resume(server: Any, tmp_path: Path) -> None:
+    steps = ["--max-steps", "5", "--accumulate", "2"]
+    torchrun(server, tmp_path / "whole", *steps, "--save-steps", "2")
+    checkpoint = tmp_path / "whole" / "checkpoints" / "checkpoint-2"
+    torchrun(server, tmp_path / "resumed", *steps, "--resume", str(checkpoint))
+    for rank in range(2):
+        expected = stream(server, rank, 2, 10)
+        assert trained(tmp_path / "whole", rank) == expected, f"rank {rank}: other batches than its stream"
+        assert trained(tmp_path / "resumed", rank) == expected[4:], f"rank {rank}: the resume is not exact"
+        position = json.loads(state_file(checkpoint, rank).read_text())
+        assert (position["rank"], position["world_size"], position["step"]) == (rank, 2, 4)

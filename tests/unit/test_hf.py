@@ -1,0 +1,52 @@
+"""``ladle.client.hf.model_inputs``: a Batch as a causal LM's keyword arguments."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from ladle.client import Batch  # noqa: E402
+from ladle.client.hf import IGNORE_INDEX, model_inputs  # noqa: E402
+
+
+def batch(as_tensors: bool) -> Batch:
+    ids = np.array([[5, 6, 7, 8], [9, 10, 0, 0]], dtype=np.int32)
+    mask = np.array([[0, 0, 1, 1], [1, 1, 0, 0]], dtype=np.int8)  # a prompt, then an answer; padding
+    ids.flags.writeable = mask.flags.writeable = False  # as BatchClient's numpy views are
+    lengths = np.array([4, 2], dtype=np.int32)
+    convert = torch.from_numpy if as_tensors else (lambda a: a)
+    return Batch(
+        input_ids=convert(ids.copy()) if as_tensors else ids,
+        loss_mask=convert(mask.copy()) if as_tensors else mask,
+        lengths=lengths,
+        sample_ids=np.array([3, 1]),
+        epoch=0,
+        step=0,
+        rank=0,
+        bucket=0,
+        real_tokens=6,
+        padded_tokens=8,
+    )
+
+
+@pytest.mark.parametrize("as_tensors", [False, True], ids=["numpy", "torch"])
+def test_labels_are_the_ids_where_the_loss_mask_is_set(as_tensors: bool) -> None:
+    b = batch(as_tensors)
+    inputs = model_inputs(b)
+    assert set(inputs) == {"input_ids", "attention_mask", "labels"}
+    assert all(t.dtype == torch.int64 for t in inputs.values())
+    assert inputs["input_ids"].tolist() == [[5, 6, 7, 8], [9, 10, 0, 0]]
+    assert inputs["attention_mask"].tolist() == [[1, 1, 1, 1], [1, 1, 0, 0]]
+    skip = IGNORE_INDEX
+    assert inputs["labels"].tolist() == [[skip, skip, 7, 8], [9, 10, skip, skip]]
+
+
+def test_the_inputs_are_copies_the_batch_is_left_as_received() -> None:
+    b = batch(as_tensors=True)
+    inputs = model_inputs(b)
+    inputs["input_ids"].fill_(1)
+    inputs["labels"].fill_(1)
+    assert b.input_ids.tolist() == [[5, 6, 7, 8], [9, 10, 0, 0]]
