@@ -133,7 +133,8 @@ class LadleTrainer(Trainer):
     ``client`` it makes ``BatchClient(args.process_index, args.world_size,
     device=args.device)`` with the server and job from ``LADLE_SERVER`` and
     ``LADLE_JOB``. Every other argument is ``Trainer``'s; ``train_dataset``
-    and ``data_collator`` are ladle's to give, so they are refused.
+    and ``data_collator`` are ladle's to give, so they are refused, and so
+    is ``auto_find_batch_size`` (the server sizes the batches).
     """
 
     def __init__(self, *args: Any, client: BatchClient | None = None, **kwargs: Any) -> None:
@@ -141,6 +142,13 @@ class LadleTrainer(Trainer):
             if kwargs.get(name) is not None:
                 raise TypeError(f"LadleTrainer takes its batches from ladle: leave out {name}=")
         super().__init__(*args, **kwargs)
+        if self.args.auto_find_batch_size:
+            # it retries a failed run from where the stream then is: the batches before the
+            # failure would be skipped, and the retry's smaller batch size would not apply anyway
+            raise ValueError(
+                "auto_find_batch_size cannot shrink ladle's batches (the server's token_budget and "
+                "max_batch_size size them): leave it off and serve a smaller --token-budget instead"
+            )
         rank, world = self.args.process_index, self.args.world_size
         if client is None:
             client = BatchClient(rank, world, device=self.args.device)

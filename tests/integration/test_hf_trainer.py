@@ -127,12 +127,13 @@ def test_a_corrupt_position_is_a_clear_error(server: Any, tmp_path: Path) -> Non
         run(server.address, "corrupt", tmp_path / "second", max_steps=4, resume=str(checkpoint))
 
 
-def tiny_trainer(tmp_path: Path, **kwargs: Any) -> LadleTrainer:
+def tiny_trainer(tmp_path: Path, auto_find_batch_size: bool = False, **kwargs: Any) -> LadleTrainer:
     from transformers import LlamaConfig, LlamaForCausalLM, TrainingArguments
 
     config = LlamaConfig(vocab_size=VOCAB, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
                          num_attention_heads=1, num_key_value_heads=1)  # fmt: skip
-    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[])
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[],
+                             auto_find_batch_size=auto_find_batch_size)  # fmt: skip
     return LadleTrainer(model=LlamaForCausalLM(config), args=args, **kwargs)
 
 
@@ -143,8 +144,15 @@ def test_a_client_of_another_rank_or_world_is_refused(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("given", ["train_dataset", "data_collator"])
 def test_a_dataset_or_collator_is_refused(tmp_path: Path, given: str) -> None:
+    extra: dict[str, Any] = {given: object()}
     with pytest.raises(TypeError, match=f"leave out {given}="):
-        tiny_trainer(tmp_path, client=BatchClient(0, 1, "127.0.0.1:1", "given"), **{given: object()})
+        tiny_trainer(tmp_path, client=BatchClient(0, 1, "127.0.0.1:1", "given"), **extra)
+
+
+def test_auto_find_batch_size_is_refused(tmp_path: Path) -> None:
+    """Its retry after an out-of-memory error would go on past the batches of the failed run."""
+    with pytest.raises(ValueError, match="serve a smaller --token-budget"):
+        tiny_trainer(tmp_path, auto_find_batch_size=True, client=BatchClient(0, 1, "127.0.0.1:1", "auto"))
 
 
 def torchrun(server: Any, out: Path, *args: str) -> None:
