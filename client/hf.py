@@ -188,6 +188,10 @@ class LadleTrainer(Trainer):
 
     def _load_position(self, checkpoint: str | os.PathLike[str]) -> None:
         path = state_file(checkpoint, self.args.process_index)
+        if self.ladle.elastic and not path.exists():
+            # a world larger than the checkpoint's: every new rank loads one position of the
+            # same step, and rank 0's will do (the resize re-plans the rest of the epoch)
+            path = state_file(checkpoint, 0)
         try:
             state: Mapping[str, Any] = json.loads(path.read_text(encoding="utf-8"))
         except FileNotFoundError:

@@ -1,7 +1,7 @@
 """A Hugging Face ``Trainer`` run on ladle's batches, for the LadleTrainer tests.
 
 ``python hf_trainer_proc.py SERVER|env JOB OUT [--max-steps N | --epochs E] [--accumulate A]
-[--save-steps S] [--resume PATH|last]``, alone or under ``torchrun`` (one process a rank).
+[--save-steps S] [--resume PATH|last] [--elastic]``, alone or under ``torchrun`` (one process a rank).
 
 A tiny Llama made from a config (nothing downloaded) trains on CPU; each
 rank writes ``OUT/rank-R.jsonl``, one line per batch it trained on (a digest
@@ -58,6 +58,7 @@ def run(
     save_steps: int = 0,
     resume: str | None = None,
     ignore_data_skip: bool = False,
+    elastic: bool = False,
 ) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
@@ -75,7 +76,9 @@ def run(
     # "env": the client LadleTrainer makes itself, from LADLE_SERVER and LADLE_JOB
     given = None
     if server != "env":
-        given = BatchClient(args.process_index, args.world_size, server, job, timeout=60, device="cpu")
+        given = BatchClient(
+            args.process_index, args.world_size, server, job, timeout=60, device="cpu", elastic=elastic
+        )
     rank = args.process_index
     trainer = RecordingTrainer(
         model=LlamaForCausalLM(config), args=args, client=given, record=out / f"rank-{rank}.jsonl"
@@ -103,10 +106,11 @@ def main() -> None:
     parser.add_argument("--accumulate", type=int, default=1)
     parser.add_argument("--save-steps", type=int, default=0)
     parser.add_argument("--resume")
+    parser.add_argument("--elastic", action="store_true")
     a = parser.parse_args()
     run(
         a.server, a.job, a.out, max_steps=a.max_steps, epochs=a.epochs, accumulate=a.accumulate,
-        save_steps=a.save_steps, resume=a.resume,
+        save_steps=a.save_steps, resume=a.resume, elastic=a.elastic,
     )  # fmt: skip
 
 

@@ -155,12 +155,16 @@ def test_auto_find_batch_size_is_refused(tmp_path: Path) -> None:
         tiny_trainer(tmp_path, auto_find_batch_size=True, client=BatchClient(0, 1, "127.0.0.1:1", "auto"))
 
 
-def torchrun(server: Any, out: Path, *args: str) -> None:
-    """Two ranks, each with the client LadleTrainer makes from the environment, as a launcher gives it."""
+def torchrun(server: Any, out: Path, *args: str, elastic: bool = False) -> None:
+    """Two ranks, each with the client LadleTrainer makes from the environment, as a launcher gives it.
+
+    ``elastic``: each with an elastic client of its own (``LadleTrainer``'s is not).
+    """
+    given = [server.address, "ddp", str(out), "--elastic"] if elastic else ["env", "-", str(out)]
     cmd = [
         "env", f"LADLE_SERVER={server.address}", "LADLE_JOB=ddp",
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-        str(PROC), "env", "-", str(out), *args,
+        str(PROC), *given, *args,
     ]  # fmt: skip
     code, output = run_in_session(cmd, timeout=240)
     (out.parent / f"{out.name}.log").write_text(output)
@@ -171,10 +175,71 @@ def test_two_ddp_ranks_under_torchrun_train_on_their_streams_and_resume(server: 
     steps = ["--max-steps", "5", "--accumulate", "2"]
     torchrun(server, tmp_path / "whole", *steps, "--save-steps", "2")
     checkpoint = tmp_path / "whole" / "checkpoints" / "checkpoint-2"
-    torchrun(server, tmp_path / "resumed", *steps, "--resume", str(checkpoint))
+    torchrun(server, tmp_path / "resumed", *steps, "--resume", str(checkpoint), "--save-steps", "5")
     for rank in range(2):
         expected = stream(server, rank, 2, 10)
         assert trained(tmp_path / "whole", rank) == expected, f"rank {rank}: other batches than its stream"
         assert trained(tmp_path / "resumed", rank) == expected[4:], f"rank {rank}: the resume is not exact"
         position = json.loads(state_file(checkpoint, rank).read_text())
         assert (position["rank"], position["world_size"], position["step"]) == (rank, 2, 4)
+
+    # the job goes on with one rank from the two ranks' last checkpoint: the rest of the epoch is
+    # re-planned for one rank, as for plain clients that went the same way on a job of their own
+    last = tmp_path / "resumed" / "checkpoints" / "checkpoint-5"
+    alone = run(server.address, "ddp", tmp_path / "alone", max_steps=13, resume=str(last), elastic=True,
+                save_steps=2)  # checkpoints at 6, 8, 10, 12 and the last, 13  # fmt: skip
+    assert alone["state"]["world_size"] == 1
+    alone_expected, state = elastic_reference(server, [states_at(server, 10)], 1, batches=7)
+    assert trained(tmp_path / "alone")[:7] == alone_expected[0], (
+        "one rank resumed from two ranks' checkpoint trained on other batches than the re-planned stream"
+    )
+    # and back to two ranks from the one rank's checkpoint of a step before it stopped: rank 1
+    # has no position of its own there, so it loads rank 0's, as every rank of a larger world may
+    # (the job's cursor, a batch on, is not where the checkpoint is)
+    last = tmp_path / "alone" / "checkpoints" / "checkpoint-12"
+    assert not state_file(last, 1).exists()
+    torchrun(server, tmp_path / "again", "--max-steps", "15", "--resume", str(last), elastic=True)
+    again_expected, _ = elastic_reference(server, [state, state], 2, batches=3)
+    for rank in range(2):
+        assert trained(tmp_path / "again", rank) == again_expected[rank], f"rank {rank} after growing"
+
+
+REFERENCE_ELASTIC = "reference-elastic"
+
+
+def states_at(server: Any, steps: int) -> dict[str, Any]:
+    """Two plain clients read ``steps`` batches each on the reference job; rank 0's state."""
+    states = []
+    for rank in range(2):
+        with BatchClient(rank, 2, server.address, REFERENCE_ELASTIC, timeout=30) as client:
+            for _, _batch in zip(range(steps), client, strict=False):
+                pass
+            states.append(client.state_dict())
+    assert [(s["epoch"], s["step"]) for s in states] == [(0, steps), (0, steps)]
+    return states[0]
+
+
+def elastic_reference(
+    server: Any, states: list[dict[str, Any]], world: int, batches: int
+) -> tuple[list[list[str]], dict[str, Any]]:
+    """Each rank of an elastic world loads its state and reads ``batches``; and rank 0's state after."""
+    got: list[list[str]] = []
+    after: dict[str, Any] = {}
+    clients = [
+        BatchClient(rank, world, server.address, REFERENCE_ELASTIC, timeout=30, elastic=True)
+        for rank in range(world)
+    ]
+    try:
+        for client, state in zip(clients, states, strict=True):
+            client.load_state_dict(state)
+        for client in clients:
+            mine: list[str] = []
+            while len(mine) < batches:
+                wanted = range(batches - len(mine))  # zip stops before taking a batch too many
+                mine += [digest(model_inputs(b)["input_ids"]) for _, b in zip(wanted, client, strict=False)]
+            got.append(mine)
+        after = clients[0].state_dict()
+    finally:
+        for client in clients:
+            client.close()
+    return got, after
