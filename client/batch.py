@@ -92,6 +92,29 @@ class Batch:
     def padded_len(self) -> int:
         return int(self.input_ids.shape[1])
 
+    def to(self, device: Any, *, non_blocking: bool = False) -> Batch:
+        """This batch with its arrays as torch tensors on ``device``; this one is left as it is.
+
+        What frameworks that move a batch with ``.to(device)`` call (Lightning's
+        ``transfer_batch_to_device`` does, and refuses a frozen dataclass
+        without it). Arrays already on ``device`` are shared, not copied;
+        numpy arrays are copied into new tensors. ``attention_mask`` stays
+        lazy: made (or moved) when first read. Needs torch.
+        """
+        import torch
+
+        def move(array: Any) -> Any:
+            if not isinstance(array, torch.Tensor):
+                array = torch.from_numpy(np.array(array))  # a copy: the received views are read-only
+            return array.to(device, non_blocking=non_blocking)
+
+        fields = {k: v for k, v in self.__dict__.items() if k != "attention_mask"}  # its cache
+        for name in ("input_ids", "loss_mask", "lengths", "sample_ids"):
+            fields[name] = move(fields[name])
+        fields["extra"] = dict(self.extra)
+        fields["_mask"] = lambda: move(self.attention_mask)
+        return Batch._make(fields)
+
 
 def attention_mask(lengths: npt.NDArray[np.integer], padded_len: int) -> npt.NDArray[np.int8]:
     """1 on the first ``lengths[i]`` positions of row i, 0 after."""

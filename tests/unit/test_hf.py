@@ -1,4 +1,4 @@
-"""``ladle.client.hf.model_inputs``: a Batch as a causal LM's keyword arguments."""
+"""A Batch for training frameworks: ``ladle.client.hf.model_inputs`` and ``Batch.to``."""
 
 from __future__ import annotations
 
@@ -50,3 +50,21 @@ def test_the_inputs_are_copies_the_batch_is_left_as_received() -> None:
     inputs["input_ids"].fill_(1)
     inputs["labels"].fill_(1)
     assert b.input_ids.tolist() == [[5, 6, 7, 8], [9, 10, 0, 0]]
+
+
+@pytest.mark.parametrize("as_tensors", [False, True], ids=["numpy", "torch"])
+def test_to_gives_a_batch_of_tensors_on_the_device_and_leaves_this_one(as_tensors: bool) -> None:
+    """What Lightning calls to move a batch (it refuses a frozen dataclass otherwise)."""
+    b = batch(as_tensors)
+    moved = b.to("cpu")
+    assert moved is not b
+    assert all(isinstance(getattr(moved, f), torch.Tensor) for f in ("input_ids", "loss_mask", "lengths"))
+    assert moved.input_ids.tolist() == [[5, 6, 7, 8], [9, 10, 0, 0]]
+    assert moved.attention_mask.tolist() == [[1, 1, 1, 1], [1, 1, 0, 0]]
+    assert (moved.epoch, moved.step, moved.rows) == (b.epoch, b.step, b.rows)
+    if as_tensors:
+        assert moved.input_ids.data_ptr() == b.input_ids.data_ptr(), "a tensor already there is shared"
+    else:
+        assert isinstance(b.input_ids, np.ndarray), "the numpy batch itself changed"
+        moved.input_ids.fill_(1)  # its own copy: the received arrays are read-only
+        assert b.input_ids.tolist() == [[5, 6, 7, 8], [9, 10, 0, 0]]

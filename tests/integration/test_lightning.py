@@ -1,0 +1,98 @@
+"""Lightning's ``Trainer`` on ``BatchDataset`` passed as the train loader, against a real server.
+
+Lightning moves each ``Batch`` with ``batch.to(device)``, saves the loader's
+``state_dict()`` in its checkpoints (``BatchDataset`` has one) and loads it
+on ``fit(ckpt_path=...)``; with the loader's ``len`` known it reads no batch
+ahead, so the position saved is the last batch trained.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("lightning")
+
+import lightning
+import torch
+
+from ladle.client import Batch, BatchClient
+from ladle.client.torch_data import BatchDataset
+from ladle.service.synth import make_dataset
+
+
+class TinyLM(lightning.LightningModule):
+    """Notes the (epoch, step) of every batch it trains on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(256, 8)
+        self.head = torch.nn.Linear(8, 256)
+        self.seen: list[tuple[int, int]] = []
+
+    def training_step(self, batch: Batch, index: int) -> Any:
+        assert isinstance(batch.input_ids, torch.Tensor)
+        self.seen.append((batch.epoch, batch.step))
+        ids = batch.input_ids.long()
+        logits = self.head(self.embed(ids))
+        labels = ids.masked_fill(batch.attention_mask == 0, -100)
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("lightning-ds") / "ds"
+    make_dataset(out, 300, seed=5, scale=1 / 16, vocab_size=256)
+    return out
+
+
+@pytest.fixture
+def server(server_factory: Callable[..., Any], dataset: Path) -> Any:
+    return server_factory(dataset=dataset)
+
+
+def fit(
+    server: Any, job: str, checkpoints: Path | None = None, resume: Path | None = None, **kwargs: Any
+) -> TinyLM:
+    callbacks: list[Any] = []
+    if checkpoints is not None:
+        callbacks.append(
+            lightning.pytorch.callbacks.ModelCheckpoint(
+                dirpath=checkpoints, every_n_train_steps=5, save_top_k=-1
+            )
+        )
+    trainer = lightning.Trainer(
+        accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, enable_model_summary=False,
+        callbacks=callbacks, enable_checkpointing=checkpoints is not None,
+        reload_dataloaders_every_n_epochs=1,  # len(data) asked at each epoch's start, as docs/serving.md says
+        **kwargs,
+    )  # fmt: skip
+    model = TinyLM()
+    data = BatchDataset(0, 1, server.address, job, timeout=30, device="cpu")
+    trainer.fit(model, train_dataloaders=data, ckpt_path=resume)
+    data.close()
+    return model
+
+
+def epochs(server: Any, count: int) -> list[tuple[int, int]]:
+    with BatchClient(0, 1, server.address, "reference", timeout=30) as client:
+        return [(e, s) for e in range(count) for s in range(client.steps_in_epoch(e))]
+
+
+def test_two_epochs_are_ladle_epochs(server: Any) -> None:
+    model = fit(server, "epochs", max_epochs=2)
+    assert model.seen == epochs(server, 2), "Lightning trained on other batches than two ladle epochs"
+
+
+def test_a_resume_from_a_checkpoint_in_an_epoch_goes_on_exactly(server: Any, tmp_path: Path) -> None:
+    whole = fit(server, "resume", tmp_path / "checkpoints", max_steps=30)
+    assert whole.seen == epochs(server, 2)[:30]
+    resumed = fit(server, "resume", resume=tmp_path / "checkpoints" / "epoch=0-step=10.ckpt", max_steps=30)
+    assert resumed.seen == whole.seen[10:], "the resumed run did not go on where the checkpoint was"
