@@ -61,10 +61,18 @@ class BatchDataset(IterableDataset[Batch]):
     ``BatchDataset(client)`` wraps a client; ``BatchDataset(rank, world_size,
     server, job, ..., device="cpu")`` makes one with ``BatchClient``'s
     arguments when first iterated.
+
+    ``lockstep=True`` is for a DDP job whose checkpoint holds one rank's
+    position for all (Lightning saves rank 0's loader state and loads it on
+    every rank): ranks in step are all at the same step of the same epoch,
+    so ``load_state_dict`` takes a state of another rank of the same world
+    as this rank's position. Without it such a state is a
+    ``StateDictError``, as it is for ``BatchClient``.
     """
 
-    def __init__(self, *args: Any, device: Any = "cpu", **kwargs: Any) -> None:
+    def __init__(self, *args: Any, device: Any = "cpu", lockstep: bool = False, **kwargs: Any) -> None:
         super().__init__()
+        self.lockstep = bool(lockstep)
         given = args[0] if len(args) == 1 and not kwargs and isinstance(args[0], BatchClient) else None
         if given is None and any(isinstance(a, BatchClient) for a in (*args, *kwargs.values())):
             raise TypeError("BatchDataset takes a BatchClient alone, or BatchClient's arguments")
@@ -101,7 +109,15 @@ class BatchDataset(IterableDataset[Batch]):
         return self.client.state_dict()
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.client.load_state_dict(state)
+        client = self.client
+        if (
+            self.lockstep
+            and isinstance(state, Mapping)
+            and state.get("world_size") == client.world_size
+            and state.get("rank") != client.rank
+        ):
+            state = {**state, "rank": client.rank}  # a copy: the caller's state stays as it was
+        client.load_state_dict(state)
 
     def close(self) -> None:
         if self._client is not None:

@@ -8,6 +8,8 @@ ahead, so the position saved is the last batch trained.
 
 from __future__ import annotations
 
+import json
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -23,6 +25,7 @@ import torch
 from ladle.client import Batch, BatchClient
 from ladle.client.torch_data import BatchDataset
 from ladle.service.synth import make_dataset
+from tests.support.session import run_in_session
 
 
 class TinyLM(lightning.LightningModule):
@@ -96,3 +99,23 @@ def test_a_resume_from_a_checkpoint_in_an_epoch_goes_on_exactly(server: Any, tmp
     assert whole.seen == epochs(server, 2)[:30]
     resumed = fit(server, "resume", resume=tmp_path / "checkpoints" / "epoch=0-step=10.ckpt", max_steps=30)
     assert resumed.seen == whole.seen[10:], "the resumed run did not go on where the checkpoint was"
+
+
+def ddp(server: Any, out: Path, *args: str) -> list[list[tuple[int, int]]]:
+    """Lightning's DDP on 2 CPU processes (``lightning_proc.py``); each rank's (epoch, step) trained."""
+    script = Path(__file__).with_name("lightning_proc.py")
+    root = Path(__file__).resolve().parents[2]
+    cmd = ["env", f"PYTHONPATH={root}", sys.executable, str(script), server.address, "ddp", str(out), *args]
+    code, output = run_in_session(cmd, timeout=240)
+    assert code == 0, f"Lightning's DDP failed:\n{output[-4000:]}"
+    return [[tuple(s) for s in json.loads((out / f"rank-{r}.json").read_text())] for r in range(2)]
+
+
+def test_ddp_ranks_resume_from_the_one_loader_state_lightning_saves(server: Any, tmp_path: Path) -> None:
+    """Lightning keeps rank 0's loader state only: with lockstep=True every rank resumes from it."""
+    whole = ddp(server, tmp_path / "whole", "12")
+    assert whole[0] == whole[1] == [(0, s) for s in range(12)]
+    resumed = ddp(
+        server, tmp_path / "resumed", "12", str(tmp_path / "whole" / "checkpoints" / "epoch=0-step=5.ckpt")
+    )
+    assert resumed == [steps[5:] for steps in whole], "the ranks did not go on where the checkpoint was"

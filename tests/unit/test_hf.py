@@ -68,3 +68,21 @@ def test_to_gives_a_batch_of_tensors_on_the_device_and_leaves_this_one(as_tensor
         assert isinstance(b.input_ids, np.ndarray), "the numpy batch itself changed"
         moved.input_ids.fill_(1)  # its own copy: the received arrays are read-only
         assert b.input_ids.tolist() == [[5, 6, 7, 8], [9, 10, 0, 0]]
+
+
+def test_lockstep_takes_another_rank_s_state_of_the_same_world_and_leaves_the_caller_s() -> None:
+    """Lightning's DDP checkpoint holds rank 0's loader state, loaded on every rank."""
+    from ladle.client.errors import StateDictError
+    from ladle.client.torch_data import BatchDataset
+
+    saved = {"version": 1, "job": "j", "rank": 0, "world_size": 2, "epoch": 1, "step": 7,
+             "schedule_fingerprint": "0123456789abcdef"}  # fmt: skip
+    original = dict(saved)
+    data = BatchDataset(1, 2, "127.0.0.1:1", "j", lockstep=True)
+    data.load_state_dict(saved)
+    assert data.client.position == (1, 7)
+    assert saved == original, "the caller's state was changed"
+    with pytest.raises(StateDictError, match="rank"):
+        BatchDataset(1, 2, "127.0.0.1:1", "j").load_state_dict(saved)  # without lockstep: refused
+    with pytest.raises(StateDictError):
+        BatchDataset(1, 4, "127.0.0.1:1", "j", lockstep=True).load_state_dict(saved)  # another world: refused
