@@ -52,7 +52,8 @@ class ServerProcess:
             "--ready-file", str(ready), "--http-port", "0", "--http-ready-file", str(http_ready),
             "--grace", "1", *SMALL_CONFIG, *self.extra,
         ]  # fmt: skip
-        self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        with log:  # the child has its own descriptor of it
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout
         while not ready.exists():
             if self.proc.poll() is not None:

@@ -27,6 +27,12 @@ from ladle.client.torch_data import BatchDataset
 from ladle.service.synth import make_dataset
 from tests.support.session import run_in_session
 
+pytestmark = [
+    # lightning 2.6 on torch 2.13, and the resumed runs' choice to write no checkpoints of their own
+    pytest.mark.filterwarnings(r"ignore:`isinstance\(treespec, LeafSpec\)` is deprecated:FutureWarning"),
+    pytest.mark.filterwarnings("ignore:Be aware that when using `ckpt_path`:UserWarning"),
+]
+
 
 class TinyLM(lightning.LightningModule):
     """Notes the (epoch, step) of every batch it trains on."""
