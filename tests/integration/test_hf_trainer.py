@@ -155,6 +155,33 @@ def test_auto_find_batch_size_is_refused(tmp_path: Path) -> None:
         tiny_trainer(tmp_path, auto_find_batch_size=True, client=BatchClient(0, 1, "127.0.0.1:1", "auto"))
 
 
+def test_a_rank_of_a_larger_world_loads_rank_0s_position(
+    server: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A checkpoint of one rank, resumed by two: rank 1 loads rank 0's position, not the job's cursor.
+
+    In one process, so it does not depend on which rank opens its stream first (under torchrun,
+    below, the first rank's load re-plans the job, and a rank that came second would start there
+    even without a position).
+    """
+    with BatchClient(0, 1, server.address, "grow", timeout=30) as client:
+        for _, _batch in zip(range(5), client, strict=False):
+            pass
+        state = client.state_dict()
+        for _, _batch in zip(range(3), client, strict=False):
+            pass  # the job's cursor goes on past the checkpoint
+    checkpoint = tmp_path / "checkpoint-5"
+    checkpoint.mkdir()
+    state_file(checkpoint, 0).write_text(json.dumps(state))
+    trainer = tiny_trainer(tmp_path, client=BatchClient(0, 1, server.address, "grow", elastic=True))
+    trainer.ladle.close()
+    with BatchClient(1, 2, server.address, "grow", timeout=30, elastic=True) as grown:
+        trainer.ladle = grown
+        monkeypatch.setattr(type(trainer.args), "process_index", property(lambda _args: 1))
+        trainer._load_position(checkpoint)
+        assert grown.position == (state["epoch"], state["step"]) == (0, 5)
+
+
 def torchrun(server: Any, out: Path, *args: str, elastic: bool = False) -> None:
     """Two ranks, each with the client LadleTrainer makes from the environment, as a launcher gives it.
 
