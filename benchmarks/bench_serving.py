@@ -68,7 +68,7 @@ from contextlib import contextmanager, suppress
 from multiprocessing.process import BaseProcess
 from multiprocessing.synchronize import Event
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -532,51 +532,62 @@ def _loop_ladle(address: str, job: str, cap: int | None) -> dict[str, Any]:
         return _train_loop(((b.input_ids, b.real_tokens) for b in client), cap)
 
 
+class ScheduleBatches:
+    """A map-style dataset: item i is step i (rank 0 of world size 1), assembled as the server does.
+
+    The same arrays BatchClient gives, as torch tensors: int32 input_ids,
+    int8 loss_mask and attention_mask, int32 lengths, int64 sample_ids. Each
+    worker opens its own Assembler on first use; it pickles (a DataLoader's
+    spawned workers). The baseline of figure 2 here and of ``bench_gpu``.
+    ``config``: the server's ``ScheduleConfig`` (the default one when None).
+    """
+
+    def __init__(self, dataset: str, steps: int | None = None, config: Any = None) -> None:
+        from ladle.service.assemble import Assembler
+        from ladle.service.dataset import open_dataset
+        from ladle.service.schedule import ScheduleConfig, build_schedule
+
+        self.dataset = dataset
+        self.config = ScheduleConfig() if config is None else config
+        sched = build_schedule(open_dataset(dataset).lengths, self.config, world_size=1)
+        count = sched.num_steps if steps is None else min(steps, sched.num_steps)
+        self.steps = [(sched.samples(s, 0), sched.padded_len(s, 0)) for s in range(count)]
+        self.assembler: Assembler | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return dict(self.__dict__, assembler=None)
+
+    def __len__(self) -> int:
+        return len(self.steps)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        import torch
+
+        from ladle.service.assemble import Assembler
+        from ladle.service.dataset import open_dataset
+
+        if self.assembler is None:
+            self.assembler = Assembler(open_dataset(self.dataset))
+        rows, padded_len = self.steps[i]
+        # not released: the tensors keep the memory
+        b = self.assembler.assemble(rows, padded_len, max_len=self.config.max_seq_len)
+        mask = (np.arange(padded_len, dtype=np.int32)[None, :] < b.lengths[:, None]).astype(np.int8)
+        arrays = {
+            "input_ids": b.input_ids,
+            "loss_mask": b.loss_mask,
+            "attention_mask": mask,
+            "lengths": b.lengths,
+            "sample_ids": b.sample_ids,
+        }
+        return {k: torch.from_numpy(v) for k, v in arrays.items()}
+
+
 def _loop_dataloader(dataset: str, cap: int | None, workers: int) -> dict[str, Any]:
     import torch
     from torch.utils.data import DataLoader, Dataset
 
-    from ladle.service.assemble import Assembler
-    from ladle.service.dataset import open_dataset
-    from ladle.service.schedule import ScheduleConfig, build_schedule
-
     torch.set_num_threads(1)
-
-    class ScheduleBatches(Dataset[dict[str, Any]]):
-        """Map-style: item i is step i (rank 0 of world size 1), assembled as the server does.
-
-        The same arrays BatchClient gives, as tensors: int32 input_ids, int8
-        loss_mask and attention_mask, int32 lengths, int64 sample_ids. Each
-        (forked) worker opens its own Assembler on first use.
-        """
-
-        def __init__(self, steps: int) -> None:
-            sched = build_schedule(open_dataset(dataset).lengths, ScheduleConfig(), world_size=1)
-            self.steps = [
-                (sched.samples(s, 0), sched.padded_len(s, 0)) for s in range(min(steps, sched.num_steps))
-            ]
-            self.assembler: Assembler | None = None
-
-        def __len__(self) -> int:
-            return len(self.steps)
-
-        def __getitem__(self, i: int) -> dict[str, Any]:
-            if self.assembler is None:
-                self.assembler = Assembler(open_dataset(dataset))
-            rows, padded_len = self.steps[i]
-            # not released: the tensors keep the memory
-            b = self.assembler.assemble(rows, padded_len, max_len=ScheduleConfig().max_seq_len)
-            mask = (np.arange(padded_len, dtype=np.int32)[None, :] < b.lengths[:, None]).astype(np.int8)
-            arrays = {
-                "input_ids": b.input_ids,
-                "loss_mask": b.loss_mask,
-                "attention_mask": mask,
-                "lengths": b.lengths,
-                "sample_ids": b.sample_ids,
-            }
-            return {k: torch.from_numpy(v) for k, v in arrays.items()}
-
-    data = ScheduleBatches(cap if cap is not None else 1 << 62)
+    data = cast("Dataset[dict[str, Any]]", ScheduleBatches(dataset, cap))
     # fork, the Linux default of a plain process (this one was spawned, so its default is spawn)
     loader: DataLoader[dict[str, Any]] = DataLoader(
         data, batch_size=None, num_workers=workers, multiprocessing_context="fork" if workers else None
@@ -584,15 +595,19 @@ def _loop_dataloader(dataset: str, cap: int | None, workers: int) -> dict[str, A
     return _train_loop(((b["input_ids"], int(b["lengths"].sum())) for b in loader), cap)
 
 
-def _latency(address: str, job: str, batches: int) -> dict[str, Any]:
-    """Time inside ``next()`` while the loop sleeps 2 ms a batch (the window stays full)."""
+def _latency(address: str, job: str, batches: int, device: Any = None) -> dict[str, Any]:
+    """Time inside ``next()`` while the loop sleeps 2 ms a batch (the window stays full).
+
+    ``device``: BatchClient's (``bench_gpu`` times ``"cuda"``); the decoding floor is
+    measured on numpy batches only.
+    """
     from ladle.client import BatchClient
     from ladle.proto import codec
 
     waits: list[int] = []
     queued: list[int] = []
     frames: list[bytes] = []
-    with BatchClient(0, 1, address, job, prefetch=PREFETCH, timeout=WAIT_S) as client:
+    with BatchClient(0, 1, address, job, prefetch=PREFETCH, timeout=WAIT_S, device=device) as client:
         it = iter(client)
         for i in range(batches + LATENCY_SKIP):
             stream = client._stream  # a benchmark-only look at the received frames not yet taken

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -55,6 +56,8 @@ class Batch:
     extra: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
     # makes attention_mask on first use (BatchClient passes one that gives a tensor on its device)
     _mask: Callable[[], Any] | None = field(default=None, repr=False, compare=False)
+    # BatchClient(device="cuda"): makes the trainer's stream wait for the batch's copies (at next())
+    _ready: Callable[[], None] | None = field(default=None, repr=False, compare=False)
 
     @classmethod
     def _make(cls, fields: dict[str, Any]) -> Batch:
@@ -71,7 +74,7 @@ class Batch:
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
         state["attention_mask"] = self.attention_mask  # made now: the function that makes it stays here
-        state["_mask"] = None
+        state["_mask"] = state["_ready"] = None
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -92,6 +95,26 @@ class Batch:
     def padded_len(self) -> int:
         return int(self.input_ids.shape[1])
 
+    def pin_memory(self) -> Batch:
+        """This batch with its arrays in pinned (page-locked) host memory, for fast copies to a GPU.
+
+        What ``DataLoader(..., pin_memory=True)`` calls on each batch (it
+        leaves an object without this method as it is, unpinned). Tensors
+        already on a GPU stay where they are. Needs torch and CUDA.
+        """
+        import torch
+
+        def pin(array: Any) -> Any:
+            if not isinstance(array, torch.Tensor):
+                with warnings.catch_warnings():  # read-only views: pinning copies them, nothing writes
+                    warnings.simplefilter("ignore", UserWarning)
+                    array = torch.from_numpy(np.asarray(array))
+            if array.device.type != "cpu":
+                return array
+            return array.pin_memory()
+
+        return self._map(pin)
+
     def to(self, device: Any, *, non_blocking: bool = False) -> Batch:
         """This batch with its arrays as torch tensors on ``device``; this one is left as it is.
 
@@ -108,11 +131,16 @@ class Batch:
                 array = torch.from_numpy(np.array(array))  # a copy: the received views are read-only
             return array.to(device, non_blocking=non_blocking)
 
+        return self._map(move)
+
+    def _map(self, change: Callable[[Any], Any]) -> Batch:
+        """A batch of ``change(array)`` for each array; ``attention_mask`` changed when first read."""
         fields = {k: v for k, v in self.__dict__.items() if k != "attention_mask"}  # its cache
         for name in ("input_ids", "loss_mask", "lengths", "sample_ids"):
-            fields[name] = move(fields[name])
+            fields[name] = change(fields[name])
         fields["extra"] = dict(self.extra)
-        fields["_mask"] = lambda: move(self.attention_mask)
+        fields["_mask"] = lambda: change(self.attention_mask)
+        fields["_ready"] = None
         return Batch._make(fields)
 
 

@@ -23,7 +23,6 @@ import re
 import socket
 import threading
 import time
-import warnings
 import weakref
 from collections.abc import Callable, Iterator, Mapping
 from types import TracebackType
@@ -35,7 +34,7 @@ import numpy as np
 from ladle.proto import codec, rpc
 from ladle.proto import ladle_pb2 as pb
 
-from . import _direct
+from . import _device, _direct
 from .batch import Batch
 from .errors import (
     AuthenticationError,
@@ -474,8 +473,12 @@ class BatchClient:
     ``Batch`` objects; iterating again continues with the next epoch (after
     a ``break``, with the rest of the same one: nothing is skipped).
     ``device=None`` gives numpy arrays (read-only, zero-copy); a torch device
-    gives tensors on it (through pinned memory with non-blocking copies for
-    CUDA). ``timeout`` bounds how long the client waits for a server (to
+    gives tensors on it. For CUDA the reader thread copies each batch through
+    pinned memory on a CUDA stream of its own, and ``next()`` makes the
+    trainer's current stream wait for those copies (no host wait), so any
+    stream may use the batch; ``"cuda"`` without an index is the device
+    current when the client is made (``torch.cuda.set_device(local_rank)``
+    first). ``timeout`` bounds how long the client waits for a server (to
     connect, or for the next batch) before it raises ``ServerUnavailableError``.
 
     Without ``load_state_dict``, a rank of a job that has already run
@@ -549,8 +552,7 @@ class BatchClient:
         # the token travels only in the call metadata; never in a message, a log line or repr()
         self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
         self._credentials = channel_credentials(tls, root_certificates, client_certificate, client_key)
-        _check_device(device, pin_memory)
-        self._convert = _converter(device, pin_memory)
+        self._convert = _device.converter(_device.check_device(device, pin_memory), pin_memory)
         self._channel: Any = None
         self._stub: rpc.BatchServiceClient | None = None
         self._stream: _ThreadedStream | _PolledStream | None = None
@@ -871,6 +873,9 @@ class BatchClient:
             if isinstance(item, tuple):
                 decoded, batch = item
                 self._check_batch(decoded)
+                if batch._ready is not None:  # its device copies: the trainer's stream waits for them
+                    batch._ready()
+                    batch.__dict__["_ready"] = None
                 return cast(Batch, batch)
             if isinstance(item, codec.DecodedEpochEnd):
                 return item
@@ -1287,90 +1292,3 @@ def channel_credentials(
     if tls is None and roots is None and cert is None:
         return None
     return grpc.ssl_channel_credentials(root_certificates=roots, private_key=key, certificate_chain=cert)
-
-
-def _converter(device: Any, pin: bool | None) -> Callable[[codec.DecodedBatch], Batch]:
-    """What turns a decoded frame into a ``Batch`` (on the reader thread).
-
-    A function of the device settings alone, not a method: the reader
-    threads hold it, and a client they held would never be collected (nor
-    its threads end) when a trainer drops it without ``close()``.
-    """
-
-    def to_batch(d: codec.DecodedBatch) -> Batch:
-        arrays: dict[str, Any] = {
-            "input_ids": d.input_ids,
-            "loss_mask": d.loss_mask,
-            "lengths": d.lengths,
-            "sample_ids": d.sample_ids,
-        }
-        if device is not None:
-            arrays = _to_torch(arrays, device, pin)
-
-        def mask() -> Any:  # made when the trainer first reads batch.attention_mask
-            array = d.attention_mask(np.int8)
-            if device is None:
-                array.flags.writeable = False  # as read-only as the other arrays: it is cached
-                return array
-            return _to_torch({"mask": array}, device, pin)["mask"]
-
-        arrays.update(
-            epoch=d.epoch,
-            step=d.step,
-            rank=d.rank,
-            bucket=d.bucket,
-            real_tokens=d.real_tokens,
-            padded_tokens=d.padded_tokens,
-            extra={},
-            _mask=mask,
-        )
-        return Batch._make(arrays)
-
-    return to_batch
-
-
-def _check_device(device: Any, pin: bool | None) -> None:
-    """Refuse in the constructor a device or pinning that would fail on the first batch's reader thread."""
-    if device is None:
-        if pin:
-            raise ValueError("pin_memory=True needs a torch device (device='cuda:0', ...)")
-        return
-    try:
-        import torch
-    except ImportError:
-        raise ValueError(f"device={device!r} needs torch, which is not installed") from None
-    try:
-        target = torch.device(device)
-    except (RuntimeError, TypeError) as exc:
-        raise ValueError(f"device={device!r} is not a torch device: {exc}") from None
-    accelerated = target.type == "cuda" or bool(pin)
-    if accelerated and not torch.cuda.is_available():
-        what = f"device={device!r}" if target.type == "cuda" else "pin_memory=True"
-        raise ValueError(f"{what} needs CUDA, and torch sees no CUDA device here")
-    if target.type == "meta":
-        raise ValueError("device='meta' holds no data: the batches would arrive as shapes only")
-    if target.type not in ("cpu", "cuda"):  # mps, xpu, ...: each fails in its own way when absent
-        try:
-            torch.empty(1, device=target)
-        except (RuntimeError, AssertionError, ValueError) as exc:
-            raise ValueError(f"device={device!r} cannot be used here: {exc}") from None
-
-
-def _to_torch(arrays: dict[str, Any], device: Any, pin: bool | None) -> dict[str, Any]:
-    import torch
-
-    target = torch.device(device)
-    use_pin = (target.type == "cuda") if pin is None else pin
-    out: dict[str, Any] = {}
-    with warnings.catch_warnings():
-        # the views are read-only (they share the received message); tensors made from
-        # them must not be written to, which torch cannot express
-        warnings.simplefilter("ignore", UserWarning)
-        for name, array in arrays.items():
-            tensor = torch.from_numpy(array)
-            if use_pin:
-                tensor = tensor.pin_memory()
-            if target.type != "cpu":
-                tensor = tensor.to(target, non_blocking=use_pin)
-            out[name] = tensor
-    return out

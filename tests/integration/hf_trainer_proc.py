@@ -59,7 +59,9 @@ def run(
     resume: str | None = None,
     ignore_data_skip: bool = False,
     elastic: bool = False,
+    cuda: bool = False,
 ) -> dict[str, Any]:
+    """One rank's run; ``cuda``: on the GPU in bf16 (the client's batches on ``args.device``)."""
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
     config = LlamaConfig(
@@ -70,14 +72,14 @@ def run(
         output_dir=str(out / "checkpoints"), max_steps=max_steps, num_train_epochs=epochs,
         gradient_accumulation_steps=accumulate, learning_rate=1e-3, logging_steps=1,
         save_strategy="steps" if save_steps else "no", save_steps=save_steps or 500,
-        use_cpu=True, ddp_backend="gloo" if "LOCAL_RANK" in os.environ else None,  # torchrun's
+        use_cpu=not cuda, bf16=cuda, ddp_backend="gloo" if "LOCAL_RANK" in os.environ else None,
         ignore_data_skip=ignore_data_skip, report_to=[], disable_tqdm=True, seed=0,
     )  # fmt: skip
     # "env": the client LadleTrainer makes itself, from LADLE_SERVER and LADLE_JOB
     given = None
     if server != "env":
         given = BatchClient(
-            args.process_index, args.world_size, server, job, timeout=60, device="cpu", elastic=elastic
+            args.process_index, args.world_size, server, job, timeout=60, device=args.device, elastic=elastic
         )
     rank = args.process_index
     trainer = RecordingTrainer(

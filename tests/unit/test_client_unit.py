@@ -10,7 +10,7 @@ import pytest
 
 from ladle.client import Batch, BatchClient, _direct
 from ladle.client import client as client_module
-from ladle.client.client import _converter
+from ladle.client._device import converter
 from ladle.proto import codec
 
 from .test_proto import make_frame
@@ -24,7 +24,7 @@ def decoded() -> codec.DecodedBatch:
 def test_the_client_makes_the_batch_batch_init_makes() -> None:
     """``Batch._make`` (one ``__dict__`` update) sets every field ``Batch()`` sets, and stays frozen."""
     d = decoded()
-    got = _converter(None, None)(d)
+    got = converter(None, None)(d)
     made = Batch(
         input_ids=d.input_ids,
         loss_mask=d.loss_mask,
@@ -80,3 +80,33 @@ def test_the_reader_follows_the_setting_and_the_grpcio_version(
 def test_the_installed_grpcio_is_one_the_polled_reader_was_tested_with() -> None:
     """A grpcio upgrade past ``_direct.TESTED_GRPC`` fails here: test the polled reader on it, then add it."""
     assert _direct.grpc_is_tested(), f"grpcio {grpc.__version__} is not in {_direct.TESTED_GRPC}"
+
+
+def test_cuda_without_an_index_is_the_constructing_threads_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``device="cuda"`` after ``torch.cuda.set_device(3)`` is cuda:3, not the reader thread's device 0."""
+    torch = pytest.importorskip("torch")
+    from ladle.client._device import check_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    assert check_device("cuda", None) == torch.device("cuda", 3)
+    assert check_device(torch.device("cuda"), None) == torch.device("cuda", 3)
+    assert check_device("cuda:1", None) == torch.device("cuda", 1)
+    with pytest.raises(ValueError, match="sees 4 CUDA device"):
+        check_device("cuda:4", None)
+    assert check_device("cpu", None) == torch.device("cpu")
+    assert check_device(None, None) is None
+
+
+def test_a_batch_moved_or_pickled_carries_no_device_hook() -> None:
+    """``_ready`` (the CUDA event of a batch's copies) is the client's: ``to()`` and pickling drop it."""
+    import pickle
+
+    pytest.importorskip("torch")
+    d = decoded()
+    batch = converter(None, None)(d)
+    batch.__dict__["_ready"] = lambda: None
+    assert batch.to("cpu")._ready is None
+    assert pickle.loads(pickle.dumps(batch))._ready is None
+    assert np.array_equal(batch.to("cpu").attention_mask.numpy(), np.asarray(batch.attention_mask))
