@@ -115,8 +115,8 @@ def converter(device: Any, pin: bool | None) -> Callable[[codec.DecodedBatch], B
 def _torch_mask(lengths: Any, width: int) -> Any:
     """int8 ``[rows, width]``, 1 on each row's first ``lengths[i]`` positions, made where ``lengths`` is.
 
-    On a GPU it is one small kernel on the trainer's current stream: nothing
-    crosses from the host.
+    On a GPU it is a few small kernels on the trainer's current stream:
+    nothing crosses from the host.
     """
     import torch
 
