@@ -87,12 +87,6 @@ def _model(shape: dict[str, int], vocab: int, device: Any) -> tuple[Any, Any]:
     return model, torch.optim.AdamW(model.parameters(), lr=1e-4, fused=fused)
 
 
-def _inputs(batch: Any) -> dict[str, Any]:
-    from ladle.client.hf import model_inputs
-
-    return model_inputs(batch)
-
-
 def _ladle_feed(address: str, job: str, device: Any) -> Generator[tuple[Any, int]]:
     from ladle.client import BatchClient
 
@@ -128,13 +122,15 @@ def _train(model: Any, opt: Any, feed: Iterator[tuple[Any, int]], steps: int, de
     """``WARM`` steps, then ``steps`` timed ones; the GPU is synchronized at both ends of the clock."""
     import torch
 
+    from ladle.client.hf import model_inputs
+
     def sync() -> None:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
     def step(batch: Any) -> Any:
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-            loss = model(**_inputs(batch)).loss
+            loss = model(**model_inputs(batch)).loss
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
