@@ -7,7 +7,12 @@ a 40,000-row production-mix dataset made here), rank 0 of world size 1.
 1. ``next()`` with a full prefetch window (the loop sleeps 2 ms a batch):
    ``BatchClient(device="cuda")`` (each batch copied through pinned memory on
    the client's own CUDA stream, the trainer's stream made to wait on an
-   event) beside ``BatchClient()`` (numpy) in the same run.
+   event) beside ``BatchClient()`` (numpy) in the same run. Then, in this
+   thread alone, what a batch costs each side of the client for the same
+   received frames: the reader thread's conversion of a decoded frame into
+   a ``Batch`` (the copies queued) and, on the trainer's thread, its
+   ``_ready`` hook (the stream wait and ``record_stream``), beside the numpy
+   conversion.
 2. Training steps of a causal LM made from a config (transformers' Llama,
    random weights, nothing downloaded; bf16 autocast, fused AdamW, SDPA
    attention), in two sizes, each fed the same batches (steps 0.. of the
@@ -48,7 +53,9 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, cast
 
-from benchmarks.bench_serving import PREFETCH, ScheduleBatches, _Ladle, _latency, _r
+import numpy as np
+
+from benchmarks.bench_serving import PREFETCH, ScheduleBatches, _frame_of, _Ladle, _latency, _r
 from benchmarks.bench_wire import WAIT_S
 from ladle.service.schedule import ScheduleConfig
 from ladle.service.synth import make_dataset
@@ -85,6 +92,65 @@ def _model(shape: dict[str, int], vocab: int, device: Any) -> tuple[Any, Any]:
     model.config._attn_implementation = "sdpa"
     fused = device.type == "cuda"
     return model, torch.optim.AdamW(model.parameters(), lr=1e-4, fused=fused)
+
+
+def _conversion(address: str, device: Any, frames: int) -> dict[str, dict[str, float | None]]:
+    """Per batch, median and p99: the reader's conversion, and the trainer's ``_ready``, on one thread.
+
+    The frames are a numpy client's (the server's real batches); each is
+    decoded once, then converted for numpy and for ``device``, alternated,
+    with the device synchronized every 32 batches so the copies queued stay
+    bounded, as a prefetch window bounds them.
+    """
+    import torch
+
+    from ladle.client import BatchClient
+    from ladle.client._device import converter
+    from ladle.proto import codec
+
+    received: list[bytes] = []
+    with BatchClient(0, 1, address, "conversion-frames", prefetch=PREFETCH, timeout=WAIT_S) as client:
+        while len(received) < frames:
+            before = len(received)
+            for batch in client:
+                frame = _frame_of(batch)
+                if frame is not None:
+                    received.append(frame)
+                if len(received) == frames:
+                    break
+            if len(received) == before:
+                break  # an epoch without a frame of ours: nothing more will come
+    decoded = [d for d in map(codec.decode_frame, received) if isinstance(d, codec.DecodedBatch)]
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+    times: dict[str, tuple[list[int], list[int]]] = {"numpy": ([], []), str(device.type): ([], [])}
+    for repeat in range(4):
+        for name, to_batch in (("numpy", converter(None, None)), (str(device.type), converter(device, None))):
+            for i, d in enumerate(decoded):
+                began = time.perf_counter_ns()
+                batch = to_batch(d)
+                converted = time.perf_counter_ns()
+                if batch._ready is not None:
+                    batch._ready()
+                readied = time.perf_counter_ns()
+                if repeat:  # the first pass warms the allocators and caches
+                    times[name][0].append(converted - began)
+                    times[name][1].append(readied - converted)
+                if i % 32 == 31:
+                    sync()
+            sync()
+    out: dict[str, dict[str, float | None]] = {}
+    for name, (convert, ready) in times.items():
+        c, r = np.asarray(convert) / 1e3, np.asarray(ready) / 1e3
+        out[name] = {
+            "convert_median_us": _r(float(np.median(c)), 1) if c.size else None,
+            "convert_p99_us": _r(float(np.percentile(c, 99)), 1) if c.size else None,
+            "ready_median_us": _r(float(np.median(r)), 1) if r.size else None,
+        }
+    return out
 
 
 def _ladle_feed(address: str, job: str, device: Any) -> Generator[tuple[Any, int]]:
@@ -229,6 +295,7 @@ def main(steps: int, repeats: int, cpu: bool) -> dict[str, Any]:
             "numpy": _latency(server.address, "latency-numpy", latency_batches),
             str(device.type): _latency(server.address, "latency-device", latency_batches, device=device),
         }
+        results["conversion"] = _conversion(server.address, device, 40 if cpu else 200)
         results["training"] = bench_training(
             ds, server, steps, repeats, CPU_MODELS if cpu else MODELS, config, vocab, device
         )
@@ -245,6 +312,12 @@ def summary(results: dict[str, Any]) -> list[str]:
     lines = [f"bench_gpu on {results['device']} (torch {results['torch']}, {results['cpus']} CPUs)"]
     for name, r in lat.items():
         lines.append(f"next() with a full window, {name}: median {r['median_us']} us, p99 {r['p99_us']} us")
+    for name, c in results["conversion"].items():
+        lines.append(
+            f"a batch on one thread, {name}: the reader's conversion median {c['convert_median_us']} us "
+            f"(p99 {c['convert_p99_us']}), the trainer's _ready (stream wait, record_stream) "
+            f"{c['ready_median_us']} us"
+        )
     for name, t in results["training"].items():
         rate = t["real_tokens_s"]
         lines.append(

@@ -21,6 +21,7 @@ def test_the_benchmark_runs_on_the_cpu() -> None:
     assert results["server_log_problems"] == []
     for name in ("numpy", "cpu"):
         assert results["next_latency"][name]["batches"] == 80
+        assert results["conversion"][name]["convert_median_us"] > 0
     (training,) = results["training"].values()
     for feed in ("resident", "ladle", "dataloader"):
         (run,) = training["runs"][feed]
