@@ -43,6 +43,13 @@ log = logging.getLogger("ladle.client.hf")
 
 IGNORE_INDEX = -100  # what transformers' losses skip in ``labels``
 
+_NO_TRIALS = (
+    "LadleTrainer does not run hyperparameter trials: they would share one ladle stream, each trial "
+    "reading on from where the last one stopped (other batches for each trial), and their positions "
+    "would be saved outside the trials' folders; run each trial as a LadleTrainer of its own with a "
+    "client of its own job (BatchClient(..., job=f'{job}-trial-{n}'))"
+)
+
 
 def model_inputs(batch: Batch) -> dict[str, torch.Tensor]:
     """A ``Batch`` as a causal LM's keyword arguments: ``input_ids``, ``attention_mask``, ``labels``.
@@ -178,6 +185,8 @@ class LadleTrainer(Trainer):
         self, resume_from_checkpoint: str | bool | None = None, **kwargs: Any
     ) -> Any:
         """``Trainer.train``; a resume first loads this rank's position from the checkpoint."""
+        if kwargs.get("trial") is not None:
+            raise NotImplementedError(_NO_TRIALS)
         if resume_from_checkpoint is True:
             resume_from_checkpoint = get_last_checkpoint(self.args.output_dir)  # type: ignore[no-untyped-call]
             if resume_from_checkpoint is None:
@@ -185,6 +194,10 @@ class LadleTrainer(Trainer):
         if isinstance(resume_from_checkpoint, str | os.PathLike):
             self._load_position(resume_from_checkpoint)
         return super().train(resume_from_checkpoint=resume_from_checkpoint or None, **kwargs)
+
+    def hyperparameter_search(self, *args: Any, **kwargs: Any) -> Any:
+        """Refused, before any trial starts: see ``_NO_TRIALS``."""
+        raise NotImplementedError(_NO_TRIALS)
 
     def _load_position(self, checkpoint: str | os.PathLike[str]) -> None:
         path = state_file(checkpoint, self.args.process_index)

@@ -155,6 +155,16 @@ def test_auto_find_batch_size_is_refused(tmp_path: Path) -> None:
         tiny_trainer(tmp_path, auto_find_batch_size=True, client=BatchClient(0, 1, "127.0.0.1:1", "auto"))
 
 
+def test_hyperparameter_trials_are_refused_before_any_trial_reads(tmp_path: Path) -> None:
+    """Trials would share one stream (each reading on past the last), positions outside their folders."""
+    # no server there: a trial that began reading would raise ServerUnavailableError instead
+    trainer = tiny_trainer(tmp_path, client=BatchClient(0, 1, "127.0.0.1:1", "trials", timeout=5))
+    with pytest.raises(NotImplementedError, match="a LadleTrainer of its own with a client of its own job"):
+        trainer.hyperparameter_search(n_trials=2)
+    with pytest.raises(NotImplementedError, match="share one ladle stream"):
+        trainer.train(trial={"learning_rate": 1e-3})
+
+
 def test_a_rank_of_a_larger_world_loads_rank_0s_position(
     server: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
