@@ -35,17 +35,19 @@ pytestmark = [
 
 
 class TinyLM(lightning.LightningModule):
-    """Notes the (epoch, step) of every batch it trains on."""
+    """Notes the (epoch, step) of every batch it trains on, and Lightning's epoch for each."""
 
     def __init__(self) -> None:
         super().__init__()
         self.embed = torch.nn.Embedding(256, 8)
         self.head = torch.nn.Linear(8, 256)
         self.seen: list[tuple[int, int]] = []
+        self.lightning_epochs: list[int] = []
 
     def training_step(self, batch: Batch, index: int) -> Any:
         assert isinstance(batch.input_ids, torch.Tensor)
         self.seen.append((batch.epoch, batch.step))
+        self.lightning_epochs.append(self.current_epoch)
         ids = batch.input_ids.long()
         logits = self.head(self.embed(ids))
         labels = ids.masked_fill(batch.attention_mask == 0, -100)
@@ -70,6 +72,8 @@ def server(server_factory: Callable[..., Any], dataset: Path) -> Any:
 def fit(
     server: Any, job: str, checkpoints: Path | None = None, resume: Path | None = None, **kwargs: Any
 ) -> TinyLM:
+    # len(data) asked at each epoch's start (reload_dataloaders_every_n_epochs=1), as docs/serving.md
+    # says to, unless a test asks otherwise
     callbacks: list[Any] = []
     if checkpoints is not None:
         callbacks.append(
@@ -80,8 +84,7 @@ def fit(
     trainer = lightning.Trainer(
         accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, enable_model_summary=False,
         callbacks=callbacks, enable_checkpointing=checkpoints is not None,
-        reload_dataloaders_every_n_epochs=1,  # len(data) asked at each epoch's start, as docs/serving.md says
-        **kwargs,
+        **{"reload_dataloaders_every_n_epochs": 1, **kwargs},
     )  # fmt: skip
     model = TinyLM()
     data = BatchDataset(0, 1, server.address, job, timeout=30, device="cpu")
@@ -98,6 +101,38 @@ def epochs(server: Any, count: int) -> list[tuple[int, int]]:
 def test_two_epochs_are_ladle_epochs(server: Any) -> None:
     model = fit(server, "epochs", max_epochs=2)
     assert model.seen == epochs(server, 2), "Lightning trained on other batches than two ladle epochs"
+
+
+def uneven(server_factory: Callable[..., Any], dataset: Path) -> tuple[Any, list[int]]:
+    """A server whose first 3 epochs differ in length (rows sorted in small chunks pack differently)."""
+    server = server_factory(dataset=dataset, extra=["--sort-chunk", "32"])
+    with BatchClient(0, 1, server.address, "lengths", timeout=30) as client:
+        return server, [client.steps_in_epoch(e) for e in range(3)]
+
+
+def test_epochs_of_other_lengths_are_each_one_lightning_epoch(
+    server_factory: Callable[..., Any], dataset: Path
+) -> None:
+    """With ``len`` asked at each epoch's start, an epoch longer than the first is one Lightning epoch."""
+    server, lengths = uneven(server_factory, dataset)
+    assert lengths[2] > lengths[0], lengths  # the case under test: a later epoch longer than the first
+    model = fit(server, "uneven", max_epochs=3)
+    assert model.seen == epochs(server, 3), "Lightning trained on other batches than three ladle epochs"
+    assert model.lightning_epochs == [e for e, _ in model.seen], "a Lightning epoch was not one ladle epoch"
+
+
+def test_without_reloading_a_longer_later_epoch_spills_into_the_next(
+    server_factory: Callable[..., Any], dataset: Path
+) -> None:
+    """``reload_dataloaders_every_n_epochs=0`` keeps the first epoch's ``len``: what docs/serving.md says."""
+    server, lengths = uneven(server_factory, dataset)
+    assert lengths[2] > lengths[0], lengths  # the case under test: a later epoch longer than the first
+    model = fit(server, "spill", max_epochs=4, reload_dataloaders_every_n_epochs=0)
+    assert model.seen == epochs(server, 4)[: len(model.seen)], "a batch was skipped or repeated"
+    assert model.seen[-1] == (2, lengths[2] - 1), "the run did not end with the long epoch's last batch"
+    pairs = zip(model.lightning_epochs, (ladle for ladle, _ in model.seen), strict=True)
+    spilled = [(lightning, ladle) for lightning, ladle in pairs if lightning != ladle]
+    assert spilled == [(3, 2)] * (lengths[2] - lengths[0]), "the long epoch's rest did not open the next"
 
 
 def test_a_resume_from_a_checkpoint_in_an_epoch_goes_on_exactly(server: Any, tmp_path: Path) -> None:
