@@ -1,10 +1,12 @@
-"""Train a small causal transformer on real text served by ladle, with DDP (gloo, CPU), and draw the ladder.
+"""Train a small causal transformer on real text served by ladle, with DDP, and draw the ladder.
 
 For each ``--interleave`` mode (``stride``: ladle's schedule; ``random``: the
 naive bucket shuffle) it starts a ``ladle serve`` on loopback (or uses
 ``--server``), spawns ``--world-size`` processes joined by
-``torch.distributed`` (gloo), and each reads its rank's batches through
-``BatchClient``, trains, and logs the loss and bucket of every step. Then it
+``torch.distributed`` (gloo on the CPU; NCCL with ``--device cuda``, one GPU
+a rank, each rank's batches copied to its GPU by ``BatchClient(device="cuda")``),
+and each reads its rank's batches through ``BatchClient``, trains, and logs
+the loss and bucket of every step. Then it
 draws the loss of every mode against the step in one PNG and prints the
 ladder's figures: the std of the windowed loss (minus its trend) and the
 longest streak of windows above the mean, as ``ladle plan --simulate-loss``
@@ -122,6 +124,7 @@ class RankJob:
     decay: str
     seed: int
     report_every: int
+    device: str = "cpu"
 
 
 def lr_factor(step: int, spec: RankJob, total: int) -> float:
@@ -137,16 +140,22 @@ def lr_factor(step: int, spec: RankJob, total: int) -> float:
 def train_rank(rank: int, spec: RankJob) -> None:
     """One DDP process: read this rank's batches from ladle, train, log every step."""
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=spec.rendezvous, rank=rank, world_size=spec.world)
+    cuda = spec.device == "cuda"
+    if cuda:
+        torch.cuda.set_device(rank)  # one GPU a rank (parse_args checked there are enough)
+    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    backend = "nccl" if cuda else "gloo"
+    dist.init_process_group(backend, init_method=spec.rendezvous, rank=rank, world_size=spec.world)
     try:
         torch.manual_seed(spec.seed)  # every rank starts from the same weights (DDP also broadcasts them)
         model = nn.parallel.DistributedDataParallel(
-            TinyLM(spec.vocab, spec.d_model, spec.layers, spec.heads, spec.max_len)
+            TinyLM(spec.vocab, spec.d_model, spec.layers, spec.heads, spec.max_len).to(device),
+            device_ids=[rank] if cuda else None,
         )
         optimizer = torch.optim.AdamW(model.parameters(), lr=spec.lr, weight_decay=0.01)
         log_path = Path(spec.log_dir, f"rank-{rank}.jsonl")
         began = time.perf_counter()
-        with BatchClient(rank, spec.world, spec.server, spec.job, device="cpu", timeout=120) as client:
+        with BatchClient(rank, spec.world, spec.server, spec.job, device=device, timeout=120) as client:
             # the decay's horizon: --steps, else the epoch's length (the server's count, the same on
             # every rank; asking joins nothing)
             total = min(spec.steps, len(client)) if spec.steps else len(client)
@@ -162,8 +171,8 @@ def train_rank(rank: int, spec: RankJob) -> None:
                     schedule.step()
                     # every rank's bucket and loss; the step's loss is their mean, as DDP averages
                     # the ranks' gradients (and as `ladle plan --simulate-loss` averages over ranks)
-                    row = torch.zeros(spec.world, 2)
-                    row[rank] = torch.tensor([batch.bucket, loss.item()])
+                    row = torch.zeros(spec.world, 2, device=device)  # NCCL reduces GPU tensors only
+                    row[rank, 0], row[rank, 1] = batch.bucket, loss.detach()
                     dist.all_reduce(row)
                     step_loss = float(row[:, 1].mean())
                     record = {
@@ -245,6 +254,7 @@ def run_mode(args: argparse.Namespace, dataset: Path, vocab: int, mode: Interlea
             decay=args.decay,
             seed=args.seed,
             report_every=args.report_every,
+            device=args.device,
         )
         spawn(train_rank, args=(spec,), nprocs=args.world_size, join=True)  # type: ignore[no-untyped-call]
 
@@ -686,6 +696,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     run.add_argument("--server", help="use this running server (its own schedule config) instead")
     run.add_argument("--job", help="job name (default: one per run)")
     run.add_argument("--world-size", type=int, default=2)
+    run.add_argument(
+        "--device",
+        default="cpu",
+        choices=["cpu", "cuda"],
+        help="cuda: NCCL, rank r on GPU r (needs --world-size GPUs)",
+    )
     run.add_argument("--steps", type=int, default=0, help="stop after this many steps (0: one epoch)")
     run.add_argument("--report-every", type=int, default=25)
     sched = p.add_argument_group("schedule")
@@ -721,6 +737,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.exclude = args.exclude or (["site-packages", "test"] if args.mix != "none" else ["site-packages"])
     if args.server and len(args.interleave) != 1:
         p.error("with --server, name the one --interleave mode that server was started with")
+    if args.device == "cuda":
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if gpus < args.world_size:
+            # NCCL refuses two ranks on one GPU
+            p.error(f"--device cuda runs one rank a GPU: --world-size {args.world_size}, {gpus} GPU(s) here")
     return args
 
 

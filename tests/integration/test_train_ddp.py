@@ -120,6 +120,21 @@ def test_a_run_shorter_than_the_trend_still_gets_its_figures(monkeypatch: pytest
     assert example.detrended(loss, 64).shape == loss.shape
 
 
+def test_cuda_needs_a_gpu_for_every_rank(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--device cuda`` puts rank r on GPU r (NCCL refuses two ranks on one): too few is a usage error."""
+    import torch
+
+    example = load_example(monkeypatch)
+    world = (torch.cuda.device_count() if torch.cuda.is_available() else 0) + 1
+    with pytest.raises(SystemExit) as stopped:
+        example.parse_args(["--device", "cuda", "--world-size", str(world)])
+    assert stopped.value.code == 2
+    assert f"--world-size {world}, {world - 1} GPU(s) here" in capsys.readouterr().err
+    assert example.parse_args(["--world-size", str(world)]).device == "cpu"
+
+
 @pytest.mark.parametrize("cut", ["docs", "code"])
 def test_mix_dataset_cuts_and_shuffles(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cut: str) -> None:
     """``--mix copyright`` with named documents: one tokenizer, ``--piece``-token pieces, shuffled rows.
