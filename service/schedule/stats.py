@@ -141,6 +141,19 @@ def _bound_per_column(counts: I64, length: int) -> I64:
     return np.where(counts > 0, -(-counts // np.maximum(length - counts + 1, 1)), 0)
 
 
+def _longest_run_and_its_bound(runs: I64, bounds: I64) -> tuple[I64, I64]:
+    """Per bucket, the longest run over streams, and the bound of the stream that has it.
+
+    The bound is that stream's own, not the largest over streams, so the two
+    figures side by side say whether that stream meets its bound; where
+    several streams have the longest run, the smallest of their bounds (the
+    largest excess among them).
+    """
+    longest = runs.max(axis=0)
+    holders = runs == longest[None, :]
+    return longest, np.where(holders, bounds, np.iinfo(np.int64).max).min(axis=0)
+
+
 @dataclass(frozen=True)
 class Quality:
     num_steps: int
@@ -213,11 +226,11 @@ def quality(sched: Schedule) -> Quality:
 
     real = float(sched.batch_real_tokens().sum())
     padded = float((sched.batch_rows() * sched.batch_padded_len()).sum())
-    run_worst = runs.max(axis=0)
-    bound_worst = bounds.max(axis=0)
+    stream_runs, stream_bounds = runs, bounds  # [streams, k]: the ranks, and the step sequence in sync mode
     if step_runs is not None and step_bounds is not None:
-        run_worst = np.maximum(run_worst, step_runs)
-        bound_worst = np.maximum(bound_worst, step_bounds)
+        stream_runs = np.vstack([runs, np.asarray(step_runs)[None, :]])
+        stream_bounds = np.vstack([bounds, np.asarray(step_bounds)[None, :]])
+    run_worst, bound_worst = _longest_run_and_its_bound(stream_runs, stream_bounds)
     return Quality(
         num_steps=steps,
         world_size=world,

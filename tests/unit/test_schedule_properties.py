@@ -249,5 +249,31 @@ def test_no_step_under_remainder_drop_names_the_policy() -> None:
     assert "remainder" not in str(info.value), "split served what it could: the policy is not the cause"
 
 
+@given(inputs())
+def test_the_longest_runs_bound_is_the_bound_of_a_stream_that_has_that_run(
+    case: tuple[np.ndarray, ScheduleConfig, int],
+) -> None:
+    """``ladle plan`` prints the two rows side by side: a run over its bound must show as one."""
+    lengths, config, world = case
+    sched = build_or_skip(lengths, config, world)
+    q = quality(sched)
+    streams = [sched.buckets[:, r] for r in range(world)]
+    if config.rank_mode == "sync":
+        streams.append(sched.buckets[:, 0])  # the step sequence
+    for b in range(sched.num_buckets):
+        pairs = set()
+        for stream in streams:
+            hits = (stream == b).astype(np.int64)
+            runs = np.diff(np.flatnonzero(np.diff(np.r_[0, hits, 0])))[::2] if hits.any() else np.zeros(1)
+            count = int(hits.sum())
+            pairs.add((int(runs.max()), int(run_lower_bound([count, len(stream) - count])[0])))
+        longest = max(run for run, _ in pairs)
+        assert q.max_run[b] == longest
+        assert q.max_run_lower_bound[b] == min(bound for run, bound in pairs if run == longest), (
+            f"bucket {b}: the bound shown is not the bound of a stream with the longest run"
+        )
+        assert q.max_run[b] - q.max_run_lower_bound[b] <= q.max_run_excess
+
+
 def test_lower_bound_helper_matches_stats() -> None:
     assert run_lower_bound([10, 1]).tolist() == [5, 1]
