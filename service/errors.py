@@ -105,7 +105,8 @@ class OverlongSampleError(ScheduleError):
         self.first_rows = first_rows
         super().__init__(
             f"{count} sample(s) longer than max_seq_len={max_seq_len} "
-            f"(first rows: {first_rows}); set overlong='truncate' or 'drop' to accept them"
+            f"(first rows: {first_rows}); to accept them, set overlong='truncate' or 'drop' "
+            "(--overlong truncate or --overlong drop on the command line)"
         )
 
 

@@ -288,6 +288,10 @@ def test_plan_says_what_max_seq_len_cuts(sample: Path, capsys: pytest.CaptureFix
     out = capsys.readouterr().out
     assert "note:" not in out
     assert f"overlong {over.size}" in out, "dropped samples are reported instead"
+    assert main(["plan", str(sample), *short, "--overlong", "error"]) == 2
+    err = capsys.readouterr().err
+    assert f"{over.size} sample(s) longer than max_seq_len=100" in err, err
+    assert "--overlong drop" in err, "the refusal names the flag that accepts them"
     wide = ["--max-seq-len", "3072", "--bucket-bounds", "0,76,206,3073"]
     assert main(["plan", str(sample), *SMALL, *wide]) == 0
     assert "note:" not in capsys.readouterr().out, "nothing is cut at 3072"
