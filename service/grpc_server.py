@@ -932,7 +932,7 @@ class BatchServicer:
         restarted without a checkpoint (torchrun kills and restarts every rank)
         has its ranks a step or two apart, and each continuing at its own
         cursor would leave them unequal steps to the epoch's end, where the
-        ranks with more would hang in their last collective (PRODUCT.md
+        ranks with more would hang in their last collective (docs/product.md
         guarantee 2). The ranks ahead get again what they consumed beyond it.
         Counted: ranks that have joined (a rank no trainer ever opened is at
         0:0 and says nothing), each at the start of a stream this server began

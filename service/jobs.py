@@ -100,7 +100,7 @@ def plan_schedule(
     world_size: int,
     plan: tuple[Resize, ...] = (),
 ) -> Schedule:
-    """The schedule of ``epoch`` for a job whose world size changed along ``plan`` (PRODUCT.md guarantee 7).
+    """The schedule of ``epoch`` for a job whose world size changed along ``plan`` (guarantee 7).
 
     Without a resize it is ``build_schedule``. Each resize re-plans the epoch
     it cuts through: the rows the old world had not consumed when it stopped

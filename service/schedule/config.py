@@ -34,7 +34,7 @@ __all__ = [
 # inputs; the golden test pins the current value's output.
 ALGORITHM_VERSION = 1
 
-# The bounds of the production run PRODUCT.md describes.
+# The bounds of the production run docs/product.md describes.
 PRODUCTION_BOUNDS: tuple[int, ...] = (0, 770, 1216, 1728, 2432, 3296, 8193)
 
 # Upper bounds of the sizes, far above any real run: the schedule keeps int64

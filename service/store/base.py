@@ -163,7 +163,7 @@ class Resize:
     ``world_size`` is the size before the change (``len(cut) == world_size``);
     the size after it is the next ``Resize``'s ``world_size``, or the job's
     current one. The jobs layer re-plans the rest of each epoch the cut runs
-    through (PRODUCT.md guarantee 7); the store only records it.
+    through (docs/product.md guarantee 7); the store only records it.
     """
 
     world_size: int

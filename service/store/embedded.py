@@ -25,7 +25,7 @@ survives the crash or kill of any process, but a power loss or OS crash may
 lose the last transactions committed before it (never corrupting the file): the
 store then holds slightly older cursors and generations than the trainers
 acknowledged. Detecting and reconciling such a store from the trainers'
-positions ("store lost recent writes", PRODUCT.md guarantee 6) is the job of
+positions ("store lost recent writes", docs/product.md guarantee 6) is the job of
 the layer above and is shared with the Redis store; ``FencedError`` with
 ``generation > current`` is its signal.
 """

@@ -1,4 +1,4 @@
-"""Elastic restarts against a real server (PRODUCT.md guarantee 7).
+"""Elastic restarts against a real server (docs/product.md guarantee 7).
 
 A DDP job checkpoints, stops and comes back with another world size: every
 new rank loads the checkpoint (``elastic=True``), the first one's Open resizes

@@ -1,4 +1,4 @@
-"""Shared state in a real redis-server: crashes, lost writes and replicas (PRODUCT.md guarantees 6-8).
+"""Shared state in a real redis-server: crashes, lost writes and replicas (docs/product.md guarantees 6-8).
 
 Every test starts its own redis-server on a free port and its own ``ladle
 serve`` processes, and stops them all, pass or fail. A trainer here is a real

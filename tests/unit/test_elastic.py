@@ -1,4 +1,4 @@
-"""Elastic world size (PRODUCT.md guarantee 7): the rest of an epoch re-planned after a resize.
+"""Elastic world size (docs/product.md guarantee 7): the rest of an epoch re-planned after a resize.
 
 A world of W ranks stops part-way through an epoch (each rank at its own
 step); the rest is re-planned for the new size, which may stop again. Over the
