@@ -40,7 +40,9 @@ class Batch:
     value). A batch pickles (``multiprocessing``, ``torch.save``) with its
     arrays copied and ``attention_mask`` made; an unpickled batch's arrays
     are its own (writable, except with pickle protocol 5, which keeps
-    numpy's read-only flag).
+    numpy's read-only flag). ``torch.load`` of a saved batch needs
+    ``weights_only=False`` (a ``Batch`` is not one of the types torch loads
+    by default); a checkpoint should hold ``client.state_dict()``, not batches.
     """
 
     input_ids: Any
@@ -122,9 +124,17 @@ class Batch:
         ``transfer_batch_to_device`` does, and refuses a frozen dataclass
         without it). Arrays already on ``device`` are shared, not copied;
         numpy arrays are copied into new tensors. ``attention_mask`` stays
-        lazy: made (or moved) when first read. Needs torch.
+        lazy: made (or moved) when first read. Needs torch. A dtype is
+        refused: the arrays are token ids, lengths and row indices, which a
+        float type would round.
         """
         import torch
+
+        if isinstance(device, torch.dtype):
+            raise TypeError(
+                f"Batch.to takes a device, not a dtype ({device}): a float type would round the token "
+                "ids and row indices; convert the one tensor you need (batch.loss_mask.to(torch.float32))"
+            )
 
         def move(array: Any) -> Any:
             if not isinstance(array, torch.Tensor):

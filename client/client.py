@@ -99,25 +99,40 @@ def _from_env(value: Any, name: str, default: Any, kind: type) -> Any:
     return kind(raw)
 
 
-def _integer(value: Any, name: str, least: int) -> int:
-    """``value`` as an int if it is an integer (Python or numpy, not a bool) >= ``least``, else ValueError."""
-    if not _is_int(value) or value < least:
-        raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
+def _integer(value: Any, name: str, least: int, most: int = _MAX_INDEX) -> int:
+    """``value`` as an int if it is an integer (numpy's too, not a bool) in least..most, else ValueError."""
+    if not _is_int(value) or not least <= value <= most:
+        too_large = _is_int(value) and value > most
+        limits = f"in {least}..{most}" if most != _MAX_INDEX or too_large else f">= {least}"
+        raise ValueError(f"{name} must be an integer {limits}, got {value!r}")
     return int(value)
 
 
 # a bad job name fails in the constructor, not at the first batch
 _JOB_NAME = re.compile(codec.JOB_NAME_PATTERN)
 _DEFAULT_PORT = 50051
+_URL_SCHEMES = frozenset({"grpc", "grpcs", "http", "https"})
+# gRPC metadata values are printable ASCII; a client_id is logged by the server
+_PRINTABLE_ASCII = re.compile(r"[\x20-\x7e]*")
+_MAX_CLIENT_ID = 256
+_MAX_UINT32 = 2**32 - 1  # world_size and prefetch travel as uint32
 
 
 def grpc_target(address: str) -> str:
     """A gRPC target for ``address``: a host alone gets ladle's port 50051 (gRPC would take 443).
 
     ``host:port`` and ``[v6]:port`` are kept, as are targets with a scheme
-    (``dns:///``, ``unix:``, ``ipv4:``); a malformed one, or a port outside
-    1..65535, is a ValueError at once instead of a timeout later.
+    (``dns:///``, ``unix:``, ``ipv4:``); a malformed one, a port outside
+    1..65535, or a URL (``grpc://``, ``http://``: gRPC would resolve the
+    whole URL as a host name) is a ValueError at once instead of a timeout
+    later.
     """
+    scheme = address.partition("://")[0].lower()
+    if scheme in _URL_SCHEMES:
+        raise ValueError(
+            f"server address {address!r} is a URL, not a gRPC target: give host:port "
+            f"({address.partition('://')[2].rstrip('/') or 'host:port'}), or tls=True for TLS"
+        )
     if ":/" in address or address.startswith(("unix:", "unix-abstract:", "ipv4:", "ipv6:", "vsock:")):
         return address
     bad = ValueError(f"server address {address!r} is not host:port (port 1..65535)")
@@ -520,8 +535,10 @@ class BatchClient:
         client_certificate: bytes | str | os.PathLike[str] | None = None,
         client_key: bytes | str | os.PathLike[str] | None = None,
     ) -> None:
-        self.world_size = _integer(_from_env(world_size, "WORLD_SIZE", 1, int), "world_size", 1)
+        self.world_size = _integer(_from_env(world_size, "WORLD_SIZE", 1, int), "world_size", 1, _MAX_UINT32)
         self.rank = _integer(_from_env(rank, "RANK", 0, int), "rank", 0)
+        if server is not None and not isinstance(server, str):
+            raise ValueError(f"server must be a string of host:port, got {server!r}")
         self.server = str(_from_env(server, "LADLE_SERVER", f"127.0.0.1:{_DEFAULT_PORT}", str))
         self.job = _from_env(job, "LADLE_JOB", "default", str)
         if job is None and not os.environ.get("LADLE_JOB", "").strip():
@@ -532,7 +549,7 @@ class BatchClient:
             )
         if not isinstance(self.job, str) or _JOB_NAME.fullmatch(self.job) is None:
             raise ValueError(f"job must be {codec.JOB_NAME_RULE}, got {self.job!r}")
-        self.prefetch = _integer(prefetch, "prefetch", 1)
+        self.prefetch = _integer(prefetch, "prefetch", 1, _MAX_UINT32)
         if (
             isinstance(timeout, bool)
             or not isinstance(timeout, int | float)
@@ -540,6 +557,15 @@ class BatchClient:
         ):
             raise ValueError(f"timeout must be seconds in (0, {_MAX_TIMEOUT:.0f}], got {timeout!r}")
         self.timeout = float(timeout)
+        if client_id is not None and (
+            not isinstance(client_id, str)
+            or len(client_id) > _MAX_CLIENT_ID
+            or _PRINTABLE_ASCII.fullmatch(client_id) is None
+        ):
+            raise ValueError(
+                f"client_id must be printable ASCII of at most {_MAX_CLIENT_ID} characters, "
+                f"got {client_id!r:.100}"
+            )
         self.client_id = client_id or f"{socket.gethostname()}:{os.getpid()}"
         self.elastic = bool(elastic)
         self.own_cursor = bool(own_cursor)
@@ -549,6 +575,8 @@ class BatchClient:
             raise ValueError(f"server must name at least one host:port, got {self.server!r}")
         self._server_index = self.rank % len(self.servers)
         token = str(_from_env(token, "LADLE_TOKEN", "", str)).strip() or _token_file()
+        if _PRINTABLE_ASCII.fullmatch(token) is None:  # never echoed: it is a secret
+            raise ValueError("the token must be printable ASCII (it travels as gRPC metadata)")
         # the token travels only in the call metadata; never in a message, a log line or repr()
         self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
         self._credentials = channel_credentials(tls, root_certificates, client_certificate, client_key)
@@ -567,6 +595,8 @@ class BatchClient:
         self._closed = False
         self._replanned = False  # a loaded state awaits the server's re-planned position
         self._loaded_epoch: int | None = None  # the epoch of a state just loaded (until the next batch)
+        self._cut_short = False  # a take was interrupted where a frame may be lost (see _receive)
+        self._epochs_ended = 0  # epoch ends taken: an iteration ends where another ended its epoch
         # once fenced, for good: a fenced process must stop, not take its rank back
         self._fence: FencedError | None = None
         # one thread iterates at a time (two would race each other into streams that fence one
@@ -597,6 +627,12 @@ class BatchClient:
             if self._ended_at_known_position():
                 assert self._next is not None
                 return self._state(*self._next)
+            if self._closed and self._pid == os.getpid() and self._fence is None:
+                raise BatchClientError(
+                    "the client was closed before it learned its position (it read no batch and loaded "
+                    "no state), so there is none to save: a new client for this rank goes on from the "
+                    "job's stored cursor"
+                )
             self._check_usable()
             self._consume_held()
             if self._next is None or self._replanned:
@@ -607,13 +643,16 @@ class BatchClient:
             return self._state(*self._next)
 
     def _ended_at_known_position(self) -> bool:
-        """Closed in this process, not fenced, with its position known: ``state_dict()`` needs no server."""
+        """Closed in this process, not fenced, with its position known: ``state_dict()`` needs no server.
+
+        The position is known once a stream started or a state was loaded
+        (whose fingerprint may be None, as it was saved).
+        """
         return (
             self._closed
             and self._pid == os.getpid()
             and self._fence is None
             and self._next is not None
-            and self._fingerprint is not None
             and not self._replanned
         )
 
@@ -779,10 +818,15 @@ class BatchClient:
 
     def _epoch(self) -> Iterator[Batch]:
         first = True
+        ends = -1  # epochs this client had ended when this iteration took its first batch
         while True:
+            if not first and self._epochs_ended != ends:
+                return  # another iteration of this client ended this one's epoch: so does this one
             batch = self._take(first)
             if batch is None:
                 return
+            if first:
+                ends = self._epochs_ended
             first = False
             yield batch
 
@@ -796,28 +840,41 @@ class BatchClient:
         try:
             with self._busy:
                 self._check_usable()
+                if self._cut_short:
+                    # the last take was interrupted (Ctrl-C, or an exception a signal handler
+                    # raised) between a frame leaving the stream's queue and the position moving
+                    # past it: the frame may be lost, so the stream starts again at the position
+                    self._drop_stream()
                 self._consume_held()
                 loaded, self._loaded_epoch = self._loaded_epoch, None
                 if first and loaded is not None and self._rest_is_empty(loaded):
                     return None
-                item = self._receive()
-                if isinstance(item, codec.DecodedEpochEnd):
-                    # the last iteration stopped (break) right after the epoch's last batch, and
-                    # this one starts at that epoch's end: no epoch of its own, go on into the next
-                    after_last = first and self._next == (item.epoch, item.steps)
-                    self._next = (int(item.epoch) + 1, 0)
-                    if not after_last:
-                        return None
-                    item = self._receive()
-                    if isinstance(item, codec.DecodedEpochEnd):  # an empty epoch (a resize can leave one)
-                        self._next = (int(item.epoch) + 1, 0)
-                        return None
-                batch = cast(Batch, item)
-                self._held = (batch.epoch, batch.step)
-                self._next = (batch.epoch, batch.step + 1)
+                batch = self._take_next(first)
+                self._cut_short = False  # the frame taken (if any) is accounted for
                 return batch
         finally:
             self._iterating.release()
+
+    def _take_next(self, first: bool) -> Batch | None:
+        """Receive the next batch and move the position past it; None at the end of the epoch."""
+        item = self._receive()
+        if isinstance(item, codec.DecodedEpochEnd):
+            self._epochs_ended += 1
+            # the last iteration stopped (break) right after the epoch's last batch, and this
+            # one starts at that epoch's end: no epoch of its own, go on into the next
+            after_last = first and self._next == (item.epoch, item.steps)
+            self._next = (int(item.epoch) + 1, 0)
+            if not after_last:
+                return None
+            item = self._receive()
+            if isinstance(item, codec.DecodedEpochEnd):  # an empty epoch (a resize can leave one)
+                self._epochs_ended += 1
+                self._next = (int(item.epoch) + 1, 0)
+                return None
+        batch = cast(Batch, item)
+        self._held = (batch.epoch, batch.step)
+        self._next = (batch.epoch, batch.step + 1)
+        return batch
 
     def _rest_is_empty(self, loaded: int) -> bool:
         """A state of epoch ``loaded`` was taken on its last batch: this iteration is its empty rest.
@@ -845,7 +902,14 @@ class BatchClient:
             raise FencedError(str(self._fence), self._fence.code)
 
     def _receive(self, *, until_start: bool = False) -> Any:
-        """The next batch or epoch end; with ``until_start``, return None once the stream has started."""
+        """The next batch or epoch end; with ``until_start``, return None once the stream has started.
+
+        From here until the caller has moved the position past what this
+        returns, an exception raised into the trainer's thread (Ctrl-C) can
+        lose a frame taken from the queue: ``_cut_short`` says so, and the
+        next take starts the stream again at the position.
+        """
+        self._cut_short = True
         deadline = time.monotonic() + self.timeout
         backoff = _BACKOFF_FIRST
         silent = 0  # replicas that sent nothing within the timeout
@@ -882,6 +946,7 @@ class BatchClient:
             if isinstance(item, codec.DecodedStreamStart):
                 self._started(item)
                 if until_start:
+                    self._cut_short = False
                     return None
                 continue
             self._drop_stream()

@@ -49,6 +49,9 @@ _IN_PROCESS = (
 )
 
 
+_UNSET: Any = object()  # BatchDataset's device= when not given
+
+
 def check_in_process() -> None:
     """Refuses a ``DataLoader`` worker process (``BatchDataset``'s and ``ladle.client.hf``'s)."""
     if get_worker_info() is not None:
@@ -58,9 +61,11 @@ def check_in_process() -> None:
 class BatchDataset(IterableDataset[Batch]):
     """One epoch per iteration of a ``BatchClient``: the one given, or one made lazily with these arguments.
 
-    ``BatchDataset(client)`` wraps a client; ``BatchDataset(rank, world_size,
-    server, job, ..., device="cpu")`` makes one with ``BatchClient``'s
-    arguments when first iterated.
+    ``BatchDataset(client)`` wraps a client, whose batches are as it makes
+    them (numpy arrays unless it was given a ``device``); ``BatchDataset(rank,
+    world_size, server, job, ..., device="cpu")`` makes one with
+    ``BatchClient``'s arguments when first iterated (tensors on the CPU by
+    default).
 
     ``lockstep=True`` is for a DDP job whose checkpoint holds one rank's
     position for all (Lightning saves rank 0's loader state and loads it on
@@ -70,14 +75,20 @@ class BatchDataset(IterableDataset[Batch]):
     ``StateDictError``, as it is for ``BatchClient``.
     """
 
-    def __init__(self, *args: Any, device: Any = "cpu", lockstep: bool = False, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, device: Any = _UNSET, lockstep: bool = False, **kwargs: Any) -> None:
         super().__init__()
         self.lockstep = bool(lockstep)
         given = args[0] if len(args) == 1 and not kwargs and isinstance(args[0], BatchClient) else None
         if given is None and any(isinstance(a, BatchClient) for a in (*args, *kwargs.values())):
             raise TypeError("BatchDataset takes a BatchClient alone, or BatchClient's arguments")
+        if given is not None and device is not _UNSET:
+            # the client converts its batches on its own reader thread, as it was made to
+            raise TypeError(
+                "BatchDataset(client) keeps the client's device: give device= to the BatchClient "
+                "(BatchClient(..., device='cuda')), not to BatchDataset"
+            )
         self._args = args
-        self._kwargs = dict(kwargs, device=device)
+        self._kwargs = dict(kwargs, device="cpu" if device is _UNSET else device)
         self._client: BatchClient | None = given
 
     @property

@@ -72,6 +72,53 @@ def test_an_exception_in_a_with_block_does_not_consume_the_batch(module_server: 
         assert steps(again, 1) == [6]
 
 
+@pytest.mark.parametrize("where", ["taken", "checked"])
+def test_ctrl_c_inside_next_loses_no_batch(module_server: Any, where: str) -> None:
+    """A KeyboardInterrupt raised just after a frame left the stream's queue, before the position moved.
+
+    A trainer that catches it (a checkpoint, then on; a notebook's interrupted
+    cell run again) must go on at the batch it did not get, not lose it
+    (the next frame would then be refused as out of order) or skip it.
+    """
+    job = f"ctrl-c-{where}"
+    with BatchClient(0, 1, module_server.address, job) as c:
+        assert steps(c, 5) == list(range(5))
+        checked = c._check_batch  # runs on the trainer's thread with the frame already dequeued
+        interrupts: list[int] = []
+
+        def interrupted(batch: Any) -> None:
+            if not interrupts:
+                interrupts.append(batch.step)
+                if where == "taken":
+                    raise KeyboardInterrupt
+            checked(batch)
+            if len(interrupts) == 1 and where == "checked":
+                interrupts.append(batch.step)
+                raise KeyboardInterrupt
+
+        c._check_batch = interrupted  # type: ignore[method-assign]
+        with pytest.raises(KeyboardInterrupt):
+            next(iter(c))
+        assert interrupts[0] == 5
+        assert (c.state_dict()["epoch"], c.state_dict()["step"]) == (0, 5), "the checkpoint moved past step 5"
+        assert steps(c, 4) == [5, 6, 7, 8], "the interrupted batch was lost or the stream broke"
+        with pytest.raises(ValueError, match=r"epoch must be an integer in 0\.\.9007199254740991"):
+            c.steps_in_epoch(10**20)  # was protobuf's "Value out of range", naming no argument
+    with BatchClient(0, 1, module_server.address, job) as again:
+        assert steps(again, 1) == [9], "the server's cursor is not where the trainer stopped"
+
+
+def test_two_iterations_of_one_client_each_end_with_their_epoch(module_server: Any) -> None:
+    """Two iterators of one client, taken in turn: neither runs on into the next epoch."""
+    with BatchClient(0, 1, module_server.address, "two-iterators") as c:
+        first, second = iter(c), iter(c)
+        got = [next(first).step, next(second).step, next(first).step]
+        got += [batch.step for batch in first]  # the rest of the epoch
+        assert got == list(range(len(got))), "a batch was lost or repeated between the iterators"
+        assert list(second) == [], "the second iteration ran on into the next epoch"
+        assert [batch.epoch for batch in itertools.islice(c, 2)] == [1, 1], "the next iteration is epoch 1"
+
+
 def test_stopping_after_an_epochs_last_batch_does_not_make_an_empty_epoch(module_server: Any) -> None:
     with BatchClient(0, 1, module_server.address, "last-break", timeout=30) as c:
         total = len(list(c))
@@ -151,8 +198,13 @@ def test_state_dict_after_close_is_where_the_client_ended(module_server: Any) ->
         assert steps(again, 1) == [5]
     unstarted = BatchClient(0, 1, module_server.address, "after-close-2")
     unstarted.close()
-    with pytest.raises(BatchClientError, match="closed"):
+    with pytest.raises(BatchClientError, match="closed before it learned its position"):
         unstarted.state_dict()  # its position was never learned
+    loaded = BatchClient(0, 1, module_server.address, "after-close-3")
+    saved = {**failed, "job": "after-close-3", "schedule_fingerprint": None}  # as an old state may hold
+    loaded.load_state_dict(saved)
+    loaded.close()
+    assert loaded.state_dict() == saved, "a closed client forgot the position it was given"
 
 
 def test_a_checkpoint_before_the_first_batch_holds_where_the_rank_starts(module_server: Any) -> None:
@@ -213,6 +265,9 @@ def test_batches_pickle_and_compare_by_identity(module_server: Any) -> None:
     assert len({batch, again}) == 2
     with pytest.raises(ValueError, match="read-only"):
         batch.attention_mask[0, 0] = 7  # cached: a write would change it for every later reader
+    torch = pytest.importorskip("torch")
+    with pytest.raises(TypeError, match="takes a device, not a dtype"):
+        batch.to(torch.bfloat16)  # would round sample ids 538..541 to 536, 540, 540, 540
 
 
 @pytest.mark.parametrize(
@@ -233,6 +288,17 @@ def test_batches_pickle_and_compare_by_identity(module_server: Any) -> None:
         ({"server": "garbage::::"}, "not host:port"),
         ({"server": "127.0.0.1:abc"}, "not host:port"),
         ({"pin_memory": True}, "needs a torch device"),
+        # each of these failed only at the first batch, untyped or after the whole timeout
+        ({"server": "grpc://127.0.0.1:50051"}, "a URL, not a gRPC target: give host:port .127.0.0.1:50051."),
+        ({"server": "http://127.0.0.1:50051/"}, "is a URL"),
+        ({"server": 50051}, "server must be a string"),
+        ({"world_size": 2**40}, "world_size must be an integer in 1..4294967295"),
+        ({"prefetch": 2**40}, "prefetch must be an integer in 1..4294967295"),
+        ({"client_id": "\ud800"}, "client_id must be printable ASCII"),
+        ({"client_id": 123}, "client_id must be printable ASCII"),
+        ({"client_id": "host\n1"}, "client_id must be printable ASCII"),
+        ({"token": "secret\nvalue-of-sixteen-plus"}, "token must be printable ASCII"),
+        ({"token": "sécret-value-of-sixteen-plus"}, "token must be printable ASCII"),
     ],
 )
 def test_bad_arguments_fail_in_the_constructor(kwargs: dict[str, Any], match: str) -> None:

@@ -93,6 +93,9 @@ def test_dataloader_adapter_over_a_client(server_factory: Callable[..., Any]) ->
         assert data.state_dict() == client.state_dict()
     with pytest.raises(TypeError, match="BatchClient alone"):
         BatchDataset(client, job="other")
+    with pytest.raises(TypeError, match="give device= to the BatchClient"):
+        BatchDataset(client, device="cuda")  # was silently ignored: the client converts its batches
+    assert BatchDataset(0, 1, server.address, "dl-default")._kwargs["device"] == "cpu"
 
 
 def test_a_dataloader_that_batches_again_says_what_to_do(server_factory: Callable[..., Any]) -> None:
