@@ -597,6 +597,7 @@ class BatchClient:
         self._loaded_epoch: int | None = None  # the epoch of a state just loaded (until the next batch)
         self._cut_short = False  # a take was interrupted where a frame may be lost (see _receive)
         self._epochs_ended = 0  # epoch ends taken: an iteration ends where another ended its epoch
+        self._takes = 0  # batches taken: an interrupted iteration knows whether it took one
         # once fenced, for good: a fenced process must stop, not take its rank back
         self._fence: FencedError | None = None
         # one thread iterates at a time (two would race each other into streams that fence one
@@ -822,7 +823,13 @@ class BatchClient:
         while True:
             if not first and self._epochs_ended != ends:
                 return  # another iteration of this client ended this one's epoch: so does this one
-            batch = self._take(first)
+            takes = self._takes
+            try:
+                batch = self._take(first)
+            except BaseException:
+                if self._takes != takes:
+                    self._undeliver()  # taken, then interrupted (Ctrl-C) before it reached the trainer
+                raise
             if batch is None:
                 return
             if first:
@@ -855,6 +862,18 @@ class BatchClient:
         finally:
             self._iterating.release()
 
+    def _undeliver(self) -> None:
+        """The batch just taken never reached the trainer: it is the next one again, not a held one.
+
+        Python raises a Ctrl-C at the first check after ``_take`` returns, so
+        the position can have moved past a batch the loop never got; without
+        this, the next take would consume it (acknowledged, never trained on).
+        """
+        with self._busy:
+            if self._held is not None:
+                self._next, self._held = self._held, None
+                self._cut_short = True  # the stream has sent past it: start again at the position
+
     def _take_next(self, first: bool) -> Batch | None:
         """Receive the next batch and move the position past it; None at the end of the epoch."""
         item = self._receive()
@@ -874,6 +893,7 @@ class BatchClient:
         batch = cast(Batch, item)
         self._held = (batch.epoch, batch.step)
         self._next = (batch.epoch, batch.step + 1)
+        self._takes += 1
         return batch
 
     def _rest_is_empty(self, loaded: int) -> bool:

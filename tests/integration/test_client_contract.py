@@ -72,7 +72,7 @@ def test_an_exception_in_a_with_block_does_not_consume_the_batch(module_server: 
         assert steps(again, 1) == [6]
 
 
-@pytest.mark.parametrize("where", ["taken", "checked"])
+@pytest.mark.parametrize("where", ["taken", "checked", "returned"])
 def test_ctrl_c_inside_next_loses_no_batch(module_server: Any, where: str) -> None:
     """A KeyboardInterrupt raised just after a frame left the stream's queue, before the position moved.
 
@@ -97,6 +97,19 @@ def test_ctrl_c_inside_next_loses_no_batch(module_server: Any, where: str) -> No
                 raise KeyboardInterrupt
 
         c._check_batch = interrupted  # type: ignore[method-assign]
+        if where == "returned":  # the position moved past the batch, then the interrupt
+            c._check_batch = checked  # type: ignore[method-assign]
+            take = c._take
+
+            def taken_then_interrupted(first: bool) -> Any:
+                batch = take(first)
+                assert batch is not None
+                if not interrupts:
+                    interrupts.append(batch.step)
+                    raise KeyboardInterrupt
+                return batch
+
+            c._take = taken_then_interrupted  # type: ignore[method-assign]
         with pytest.raises(KeyboardInterrupt):
             next(iter(c))
         assert interrupts[0] == 5
