@@ -931,7 +931,7 @@ class BatchClient:
         """
         self._cut_short = True
         deadline = time.monotonic() + self.timeout
-        backoff = _BACKOFF_FIRST
+        failures = 0  # streams that ended unavailable since this call began
         silent = 0  # replicas that sent nothing within the timeout
         while True:
             stream = self._ensure_stream(deadline)
@@ -981,15 +981,18 @@ class BatchClient:
                 raise item
             if isinstance(error, FencedError):
                 self._fence = error
+            # the wait doubles with each round over the replicas (each round over one server), so
+            # a trainer tries the next replica at once but does not spin while all of them fail
+            # (a cursor store that is down fails every replica alike)
+            backoff = min(_BACKOFF_FIRST * 2 ** min(failures // len(self.servers), 16), _BACKOFF_MAX)
+            failures += 1
             if not isinstance(error, ServerUnavailableError) or time.monotonic() + backoff > deadline:
                 raise error
             if len(self.servers) > 1:
                 self._server_index = (self._server_index + 1) % len(self.servers)
-                backoff = _BACKOFF_FIRST  # another replica: no reason to wait long
             log.warning("rank %d: %s; reconnecting to %s in %.2fs", self.rank, error, self._address, backoff)
             time.sleep(backoff)
             self._check_open()
-            backoff = min(backoff * 2, _BACKOFF_MAX)
             self.reconnects += 1
 
     def _started(self, start: codec.DecodedStreamStart) -> None:

@@ -342,6 +342,8 @@ class TimedStore(CursorStore):
         """The store answers, and takes writes: one that answers PING but refuses every write (a
         Redis at maxmemory with noeviction) stops every stream, so it is not ready either."""
         self._timed("ping", self.inner._ping)
+        if self.inner.ping_writes:
+            self._write_failed = None  # the ping was a write, and it was taken: writes are taken again
         failed = self._write_failed
         if failed is not None and time.monotonic() - failed[0] < WRITE_FAILURE_S:
             raise StoreUnavailableError(f"its writes fail ({failed[1]})")

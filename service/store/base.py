@@ -507,5 +507,9 @@ class CursorStore(abc.ABC):
     @abc.abstractmethod
     def _delete_job(self, job: str) -> bool: ...
 
+    # Whether ``_ping`` writes (Redis sets a readiness key): then a ping that succeeds also says the
+    # store takes writes again, and a write refused before no longer makes the server unready.
+    ping_writes = False
+
     @abc.abstractmethod
     def _ping(self) -> None: ...

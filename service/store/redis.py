@@ -963,6 +963,8 @@ class RedisCursorStore(CursorStore):
     def _delete_job(self, job: str) -> bool:
         return bool(self._run(self._delete_script, job))
 
+    ping_writes = True
+
     def _ping(self) -> None:
         """A write, not a PING: a Redis that became a replica (a failover), cannot save (MISCONF) or is
         full (OOM) answers PING and refuses every trainer's write. The key is no job's."""

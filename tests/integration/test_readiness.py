@@ -26,7 +26,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from ladle.client import BatchClient
+from ladle.client import BatchClient, ServerUnavailableError
 from ladle.proto import rpc
 from ladle.service.http.server import HTTP_MAX_CONNECTIONS
 from ladle.service.server import READY_CHECK_S
@@ -134,6 +134,33 @@ def test_a_store_that_goes_away_makes_the_batch_service_not_serving_and_back(
     log = server.log_tail()
     assert f"not ready (gRPC health {rpc.SERVICE} NOT_SERVING, /readyz 503): cursor store" in log, log
     assert "ready again" in log, log
+
+
+def test_a_redis_that_takes_writes_again_is_ready_at_the_next_check(
+    redis_server_factory: Callable[..., Any], server_factory: Factory
+) -> None:
+    """A replica made primary again: ready at the next readiness write, not 10 s after the last refusal.
+
+    The readiness check is itself a write; before, a trainer's write refused
+    during the outage kept the server unready for 10 s after it.
+    """
+    redis = redis_server_factory()
+    server = server_factory(extra=["--redis-url", redis.url])
+    with health_stub(server) as stub, redis.client() as admin:
+        unused = socket.socket()
+        unused.bind(("127.0.0.1", 0))  # a primary that is not there: the replica never syncs
+        try:
+            admin.execute_command("REPLICAOF", "127.0.0.1", str(unused.getsockname()[1]))
+            wait_for_status(stub, rpc.SERVICE, NOT_SERVING)
+            with pytest.raises(ServerUnavailableError):  # its join is refused: a write that failed
+                BatchClient(0, 1, server.address, "refused", timeout=3).state_dict()
+        finally:
+            admin.execute_command("REPLICAOF", "NO", "ONE")
+            unused.close()
+        took = wait_for_status(stub, rpc.SERVICE, SERVING)
+    assert took < 2 * READY_CHECK_S + 2, f"ready again {took:.1f}s after Redis took writes again"
+    with BatchClient(0, 1, server.address, "after-replica", timeout=30) as client:
+        assert next(iter(client)).step == 0
 
 
 def test_a_store_that_hangs_is_not_ready_and_health_still_answers_at_once(
