@@ -689,6 +689,12 @@ def _jobs(args: argparse.Namespace) -> int:
         from .store.embedded import EmbeddedStore
 
         opened: CursorStore = EmbeddedStore(state, read_only=True)
+    elif url is not None and not args.delete:
+        # the same for Redis: a replica will do, and the server's start-up checks and warnings are not
+        # this command's (they would repeat on every listing)
+        from .store.redis import RedisCursorStore
+
+        opened = RedisCursorStore(url, job_ttl_s=DEFAULT_JOB_TTL_S, read_only=True)
     else:
         opened = open_store(redis_url=url, state_path=state, job_ttl_s=DEFAULT_JOB_TTL_S)
     with opened as store:
@@ -722,7 +728,7 @@ def _jobs(args: argparse.Namespace) -> int:
         if args.json:
             print(json.dumps([job_summary(job) for job in jobs], indent=2))
         elif not jobs:
-            print(f"no jobs in {store!r}")
+            print(f"no jobs to show in {store!r} (a job whose record cannot be read is left out, warned of)")
         else:
             print(format_jobs(jobs))
     return 0

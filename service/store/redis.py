@@ -554,8 +554,10 @@ class RedisCursorStore(CursorStore):
         job_ttl_s: float = DEFAULT_JOB_TTL_S,
         socket_timeout_s: float = 5.0,
         max_connections: int | None = None,
+        read_only: bool = False,
     ) -> None:
         super().__init__(clock=clock)
+        self.read_only = read_only
         if not isinstance(url, str) or not url:
             raise ConfigError("redis_url", f"must be a redis://, rediss:// or unix:// URL, got {url!r}")
         if not isinstance(namespace, str) or _NAMESPACE.fullmatch(namespace) is None:
@@ -598,8 +600,12 @@ class RedisCursorStore(CursorStore):
         self._get_script = self._redis.register_script(_GET)
         self._delete_script = self._redis.register_script(_DELETE)
         try:
-            self._check_server()  # first: a replica is named as one, not as a refused write
-            self._ping()  # a write: a Redis that refuses them is not started on
+            if read_only:  # a listing (ladle jobs): any replica will do, and nothing is written
+                with self._client() as client:
+                    client.ping()
+            else:
+                self._check_server()  # first: a replica is named as one, not as a refused write
+                self._ping()  # a write: a Redis that refuses them is not started on
         except BaseException:
             self.close()
             raise

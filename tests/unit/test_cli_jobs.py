@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -139,6 +140,32 @@ def test_the_redis_url_comes_from_the_environment(
     out = capsys.readouterr()
     assert "password" in out.err
     assert "wrong-pa55" not in out.err + out.out, "the password leaked into the output"
+
+
+def test_a_listing_reads_a_redis_replica_and_warns_of_nothing(
+    redis_server_factory: Callable[..., RedisServer],
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A listing is a read: an operator may look at a replica, and the server's start-up warnings
+    (no persistence, eviction) are not the listing's to repeat on every run. --delete writes."""
+    monkeypatch.delenv(cli.REDIS_URL_ENV, raising=False)
+    primary = redis_server_factory()  # no persistence: what the server would warn of
+    with RedisCursorStore(primary.url) as store:
+        _fill(store)
+    replica = redis_server_factory(extra_args=("--replicaof", "127.0.0.1", str(primary.port)))
+    with replica.client() as admin:
+        for _ in range(200):  # the first sync takes a moment
+            if admin.dbsize():
+                break
+            time.sleep(0.05)
+    caplog.clear()
+    assert cli.main(["jobs", "--redis-url", replica.url, "--json"]) == 0
+    assert [d["job"] for d in json.loads(capsys.readouterr().out)] == ["run-a", "run-b"]
+    assert not [r for r in caplog.records if r.levelname == "WARNING"], caplog.text
+    assert cli.main(["jobs", "--redis-url", replica.url, "--delete", "run-b", "--force"]) == 2
+    assert "is a replica" in capsys.readouterr().err
 
 
 def test_serve_passes_the_store_options(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
