@@ -137,6 +137,14 @@ def build_parser() -> argparse.ArgumentParser:
         "(default: 7 days)",
     )
     serve.add_argument(
+        "--store-wait",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="at start-up, wait this long for a cursor store that cannot be reached yet (Redis starting "
+        "beside the server), retrying, before giving up; refused credentials fail at once (default: 0)",
+    )
+    serve.add_argument(
         "--ack-flush-ms",
         type=float,
         default=50.0,
@@ -458,6 +466,7 @@ def _serve(args: argparse.Namespace) -> int:
         state=args.state or DEFAULT_STATE,
         redis_url=_redis_url(args),
         job_ttl_s=args.job_ttl,
+        store_wait_s=args.store_wait,
         limits=limits_from_args(args),
         ack_flush_s=args.ack_flush_ms / 1000,
         grace=args.grace,

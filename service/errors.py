@@ -31,6 +31,7 @@ __all__ = [
     "ScheduleBusyError",
     "ScheduleError",
     "StoreCorruptError",
+    "StoreCredentialsError",
     "StoreError",
     "StoreFormatError",
     "StoreUnavailableError",
@@ -245,6 +246,10 @@ class StoreUnavailableError(StoreError):
     """The backing store cannot be reached or used now (locked too long, I/O error, closed)."""
 
     kind = "unavailable"
+
+
+class StoreCredentialsError(StoreUnavailableError):
+    """Redis refused the URL's credentials: waiting for it will not help (``ladle serve --store-wait``)."""
 
 
 class StoreCorruptError(StoreError):

@@ -35,7 +35,7 @@ from ladle.proto import rpc
 
 from .assemble import Assembler
 from .dataset import open_dataset
-from .errors import ConfigError, StoreUnavailableError
+from .errors import ConfigError, StoreCredentialsError, StoreUnavailableError
 from .first_request import FirstRequestInterceptor
 from .grpc_server import ACK_FLUSH_SECONDS, BatchServicer
 from .jobs import JobRegistry
@@ -74,6 +74,7 @@ class BatchServer:
         state: str | Path = DEFAULT_STATE,
         redis_url: str | None = None,
         job_ttl_s: float = DEFAULT_JOB_TTL_S,
+        store_wait_s: float = 0.0,
         limits: Limits | None = None,
         ack_flush_s: float = ACK_FLUSH_SECONDS,
         grace: float = 5.0,
@@ -98,6 +99,10 @@ class BatchServer:
         # The cursor store: Redis when a URL is given (shared by every replica), else the file.
         self.redis_url = redis_url
         self.job_ttl_s = job_ttl_s
+        if not (math.isfinite(store_wait_s) and store_wait_s >= 0):
+            raise ConfigError("store_wait", f"must be a finite number of seconds >= 0, got {store_wait_s}")
+        # how long start() waits for a cursor store that cannot be reached (Redis starting beside it)
+        self.store_wait_s = store_wait_s
         # sessions, prefetch, message sizes, connections, keepalive and idle reaping
         self.limits = limits if limits is not None else Limits()
         self.ack_flush_s = ack_flush_s
@@ -123,6 +128,29 @@ class BatchServer:
         self._hurry = False  # stop_now() was called: end open calls without waiting the grace
         self._grpc_stopping = False  # the gRPC server's stop has begun (on the loop)
 
+    def _open_store(self) -> CursorStore:
+        """The cursor store; one that cannot be reached is waited for up to ``store_wait_s``.
+
+        Refused credentials, a replica, a bad URL or a folder that cannot be
+        made are not waited for: they will not change by themselves.
+        """
+        deadline = time.monotonic() + self.store_wait_s
+        delay = 0.5
+        while True:
+            try:
+                return open_store(
+                    redis_url=self.redis_url, state_path=self.state_path, job_ttl_s=self.job_ttl_s
+                )
+            except StoreCredentialsError:
+                raise
+            except StoreUnavailableError as exc:
+                left = deadline - time.monotonic()
+                if left < delay:
+                    raise
+                log.warning("%s; waiting for it (up to %.0f s more, --store-wait)", exc, left)
+                time.sleep(delay)
+                delay = min(delay * 2, 5.0)
+
     @property
     def address(self) -> str:
         return _join(self.host, self.port)
@@ -138,7 +166,7 @@ class BatchServer:
         )
         dataset = open_dataset(self.dataset_path)
         try:
-            store = open_store(redis_url=self.redis_url, state_path=self.state_path, job_ttl_s=self.job_ttl_s)
+            store = self._open_store()
         except OSError as exc:  # the state file's folder cannot be made: /proc/nope, read-only, a file
             raise StoreUnavailableError(
                 f"cursor store {self.state_path}: cannot create its folder {self.state_path.parent}: "

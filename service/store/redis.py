@@ -55,6 +55,7 @@ from ..errors import (
     ConfigError,
     JobNotFoundError,
     StoreCorruptError,
+    StoreCredentialsError,
     StoreError,
     StoreFormatError,
     StoreUnavailableError,
@@ -697,12 +698,12 @@ class RedisCursorStore(CursorStore):
         if isinstance(exc, rex.AuthenticationWrongNumberOfArgsError) or "without any password configured" in (
             message
         ):
-            return StoreUnavailableError(
+            return StoreCredentialsError(
                 f"cursor store {self.url}: the URL gives a password but this Redis has none configured "
                 "(no requirepass); remove it from the URL or configure it on the server"
             )
         if self._password is None and (first == "NOAUTH" or "Authentication required" in message):
-            return StoreUnavailableError(
+            return StoreCredentialsError(
                 f"cursor store {self.url}: the URL gives no password but Redis requires one ({message}); "
                 f"give it as redis://:PASSWORD@host:port/db; {PERCENT_ENCODE_HINT}"
             )
@@ -713,7 +714,7 @@ class RedisCursorStore(CursorStore):
                     "; the URL's password holds %-sequences, which are decoded (%2F is /): a % that is "
                     "part of the password itself must be written %25"
                 )
-            return StoreUnavailableError(
+            return StoreCredentialsError(
                 f"cursor store {self.url}: Redis refused the password ({message}); "
                 f"check the password in the Redis URL{decoded}"
             )

@@ -309,6 +309,43 @@ def test_bad_redis_settings_fail_at_start_up(
         assert "wrong-password" not in str(info.value), "a password was printed"
 
 
+def test_store_wait_rides_out_a_redis_that_starts_after_the_server(
+    redis_server_factory: Callable[..., Any], server_factory: Factory
+) -> None:
+    """Redis and ladle applied together (Kubernetes): ladle waited for nothing and exited 2."""
+    redis = redis_server_factory(appendonly=True)
+    redis.stop()
+    started: list[Any] = []
+    failed: list[BaseException] = []
+
+    def serve() -> None:  # blocks until the server is ready
+        try:
+            started.append(server_factory(extra=[*redis_args(redis.url), "--store-wait", "60"]))
+        except BaseException as exc:  # reported below
+            failed.append(exc)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    time.sleep(3.0)
+    try:
+        assert not failed, f"the server did not wait for Redis: {failed[0]!r}"
+        assert not started, "the server was ready without its cursor store"
+    finally:
+        redis.restart()  # on this thread: a server started from a thread that ends dies with it
+        thread.join(90)
+    assert not failed, f"the server did not start once Redis was up: {failed[0]!r}"
+    (server,) = started
+    assert "waiting for it (up to" in server.log_tail()
+    with BatchClient(0, 1, server.address, "waited", timeout=30) as client:
+        assert next(iter(client)).step == 0
+    # a refused password is not waited for: it will not change by itself
+    secured = redis_server_factory(password="right-password")
+    began = time.monotonic()
+    with pytest.raises(RuntimeError, match="password"):
+        server_factory(extra=[*redis_args(secured.url_for(password="wrong-password")), "--store-wait", "60"])
+    assert time.monotonic() - began < 30, "the server waited for a password that will not change"
+
+
 def test_a_password_with_a_slash_is_never_printed(server_factory: Factory) -> None:
     """`openssl rand -base64` puts a / in many passwords: the server printed the URL whole, and
     redis-py's message quoted the password's head ("Port could not be cast to integer value as 'Kq3'")."""
