@@ -103,7 +103,7 @@ def _integer(value: Any, name: str, least: int, most: int = _MAX_INDEX) -> int:
     """``value`` as an int if it is an integer (numpy's too, not a bool) in least..most, else ValueError."""
     if not _is_int(value) or not least <= value <= most:
         too_large = _is_int(value) and value > most
-        limits = f"in {least}..{most}" if most != _MAX_INDEX or too_large else f">= {least}"
+        limits = f">= {least}" if most == _MAX_INDEX and not too_large else f"in {least}..{most}"
         raise ValueError(f"{name} must be an integer {limits}, got {value!r}")
     return int(value)
 
@@ -127,11 +127,11 @@ def grpc_target(address: str) -> str:
     whole URL as a host name) is a ValueError at once instead of a timeout
     later.
     """
-    scheme = address.partition("://")[0].lower()
-    if scheme in _URL_SCHEMES:
+    scheme, _, rest = address.partition("://")
+    if scheme.lower() in _URL_SCHEMES:
         raise ValueError(
             f"server address {address!r} is a URL, not a gRPC target: give host:port "
-            f"({address.partition('://')[2].rstrip('/') or 'host:port'}), or tls=True for TLS"
+            f"({rest.rstrip('/') or 'host:port'}), or tls=True for TLS"
         )
     if ":/" in address or address.startswith(("unix:", "unix-abstract:", "ipv4:", "ipv6:", "vsock:")):
         return address

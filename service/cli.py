@@ -693,17 +693,18 @@ def _jobs(args: argparse.Namespace) -> int:
     state = args.state or DEFAULT_STATE
     if url is None and not os.path.exists(state):
         raise StoreUnavailableError(f"no cursor store at {state} (give --state FILE or --redis-url URL)")
-    if url is None and not args.delete:
-        # a listing is a read: a read-only copy, a file beside a busy writer, an older ladle's file as it is
-        from .store.embedded import EmbeddedStore
+    if not args.delete:
+        # a listing is a read: a read-only copy of the file, a file beside a busy writer, an older
+        # ladle's file as it is; a Redis replica, without the server's start-up checks and warnings
+        # (they would repeat on every listing)
+        if url is None:
+            from .store.embedded import EmbeddedStore
 
-        opened: CursorStore = EmbeddedStore(state, read_only=True)
-    elif url is not None and not args.delete:
-        # the same for Redis: a replica will do, and the server's start-up checks and warnings are not
-        # this command's (they would repeat on every listing)
-        from .store.redis import RedisCursorStore
+            opened: CursorStore = EmbeddedStore(state, read_only=True)
+        else:
+            from .store.redis import RedisCursorStore  # redis is imported only for a Redis URL
 
-        opened = RedisCursorStore(url, job_ttl_s=DEFAULT_JOB_TTL_S, read_only=True)
+            opened = RedisCursorStore(url, job_ttl_s=DEFAULT_JOB_TTL_S, read_only=True)
     else:
         opened = open_store(redis_url=url, state_path=state, job_ttl_s=DEFAULT_JOB_TTL_S)
     with opened as store:
