@@ -24,6 +24,9 @@ from ladle.service.schedule import PRODUCTION_BOUNDS, ScheduleConfig, build_sche
 from ladle.service.schedule.stats import quality, simulate_loss
 from ladle.service.synth import production_lengths
 
+# The production run's edges (docs/product.md): the case every figure here is measured on.
+PRODUCTION = ScheduleConfig(bucket_bounds=PRODUCTION_BOUNDS)
+
 
 def _median_time(fn: Any, repeat: int) -> float:
     times = []
@@ -42,7 +45,7 @@ def _child_peak_rss(code: str) -> float:
 
 _RSS_CODE = """
 import numpy as np
-from ladle.service.schedule import ScheduleConfig, build_schedule
+from ladle.service.schedule import PRODUCTION_BOUNDS, ScheduleConfig, build_schedule
 lengths = np.load({path!r})
 {body}
 # VmHWM belongs to this process image (ru_maxrss would include the parent's at fork)
@@ -52,7 +55,7 @@ print([int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmH
 
 def bench_build(rows: int, world_size: int = 8, repeat: int = 3) -> dict[str, Any]:
     lengths = production_lengths(rows, 0)
-    config = ScheduleConfig()
+    config = PRODUCTION
     sort_s = _median_time(lambda: np.sort(lengths), repeat)
     sort64_s = _median_time(lambda: np.sort(lengths.astype(np.int64)), repeat)
     build_s = _median_time(lambda: build_schedule(lengths, config, world_size=world_size), repeat)
@@ -60,7 +63,10 @@ def bench_build(rows: int, world_size: int = 8, repeat: int = 3) -> dict[str, An
         path = os.path.join(tmp, "lengths.npy")
         np.save(path, lengths)
         base_rss = _child_peak_rss(_RSS_CODE.format(path=path, body="pass"))
-        body = f"s = build_schedule(lengths, ScheduleConfig(), world_size={world_size})"
+        body = (
+            "s = build_schedule(lengths, ScheduleConfig(bucket_bounds=PRODUCTION_BOUNDS), "
+            f"world_size={world_size})"
+        )
         build_rss = _child_peak_rss(_RSS_CODE.format(path=path, body=body))
     tracemalloc.start()  # what one schedule holds once built (a server keeps a few: ScheduleCache)
     sched = build_schedule(lengths, config, world_size=world_size)
@@ -117,7 +123,7 @@ def bench_quality(rows: int) -> dict[str, Any]:
     out: dict[str, Any] = {"rows": rows, "cases": []}
     for mode in ("mixed", "sync"):
         for world in (1, 2, 3, 8):
-            config = ScheduleConfig(rank_mode=mode)
+            config = PRODUCTION.replace(rank_mode=mode)
             ours = build_schedule(lengths, config, world_size=world)
             naive = build_schedule(lengths, config.replace(interleave="random"), world_size=world)
             q, qn = quality(ours), quality(naive)
@@ -146,7 +152,7 @@ def bench_quality(rows: int) -> dict[str, Any]:
                 }
             )
     sample = lengths[: min(rows, 200_000)]
-    config = ScheduleConfig()
+    config = PRODUCTION
     out["packing"] = {
         "sorted_chunks_efficiency": quality(build_schedule(sample, config)).padding_efficiency,
         "shuffle_then_pack_efficiency": round(_shuffle_then_pack_efficiency(sample, config), 4),

@@ -12,18 +12,20 @@ import json
 import math
 import os
 import sys
+import textwrap
 import time
 from collections.abc import Sequence
 from typing import Any, Final, get_args
 
 from .errors import ConfigError, JobNotFoundError, LadleError
 from .limits import Limits
-from .report import BUCKET_HEADER, bucket_cells
-from .schedule import ScheduleConfig, build_schedule, cut_samples
+from .report import BUCKET_HEADER, bucket_cells, ratio_cell
+from .schedule import PRODUCTION_BOUNDS, ScheduleConfig, build_schedule, cut_samples
 from .schedule.stats import (
     BucketRow,
     LossFigures,
     Quality,
+    batch_mates_note,
     bucket_table,
     quality,
     simulate_loss,
@@ -59,7 +61,12 @@ def _add_config_options(parser: argparse.ArgumentParser) -> None:
         flag = "--" + name.replace("_", "-")
         choices = [c for c in get_args(info.annotation) if isinstance(c, str)]
         if name == "bucket_bounds":
-            group.add_argument(flag, metavar="EDGES|auto", help="comma-separated edges, or 'auto'")
+            group.add_argument(
+                flag,
+                metavar="auto|production|EDGES",
+                help="'auto' (default): edges fitted to the dataset; 'production': the production "
+                "run's (0,770,1216,1728,2432,3296,8193); or comma-separated edges",
+            )
         elif choices and all(isinstance(c, str) for c in get_args(info.annotation)):
             group.add_argument(flag, choices=choices, help=f"default: {info.default}")
         else:
@@ -311,8 +318,6 @@ def _run(args: argparse.Namespace) -> int:
         if args.command == "demo":
             from .demo import run_demo
 
-            if args.text and args.bucket_bounds is None and not args.config:
-                args.bucket_bounds = "auto"  # the production bounds do not fit real text; fit edges to it
             if args.dataset_path is not None and (args.dataset is not None or args.text):
                 raise ConfigError("dataset", "give one of DATASET, --dataset and --text")
             config = config_from_args(args)
@@ -866,6 +871,8 @@ def _plan(args: argparse.Namespace) -> int:
     config = config_from_args(args)
     ds = open_dataset(args.dataset)
     sched = build_schedule(ds.lengths, config, epoch=args.epoch, world_size=args.world_size)
+    # the epoch after, for the batch-mates that meet again
+    after = build_schedule(ds.lengths, config, epoch=args.epoch + 1, world_size=args.world_size)
     baseline = None
     if args.compare == "random" or args.simulate_loss:
         baseline = build_schedule(
@@ -877,7 +884,7 @@ def _plan(args: argparse.Namespace) -> int:
     cut = cut_samples(ds.lengths, config)
     ranges = check_values(ds) if args.check_values else None
     if args.json:
-        doc = summary(sched)
+        doc = summary(sched, after)
         doc["dataset"] = {"path": ds.path, "rows": ds.num_rows, "fingerprint": ds.fingerprint}
         doc["cut"] = {"samples": cut.samples, "tokens_cut": cut.tokens_cut, "tokens": cut.tokens}
         if ranges is not None:
@@ -897,10 +904,11 @@ def _plan(args: argparse.Namespace) -> int:
         f"<= {config.max_batch_size} rows, max_seq_len {config.max_seq_len}, "
         f"{config.rank_mode} ranks, seed {config.seed}, epoch {args.epoch}"
     )
+    print(f"bucket bounds {_bounds_source(config)}: {', '.join(str(b) for b in sched.bounds)}")
     print()
     print(format_bucket_table(sched))
     print()
-    q = quality(sched)
+    q = quality(sched, after)
     qb = quality(baseline) if baseline is not None and args.compare == "random" else None
     print(format_quality(q, qb))
     if cut:
@@ -914,6 +922,15 @@ def _plan(args: argparse.Namespace) -> int:
         print()
         print(format_loss(simulate_loss(sched), simulate_loss(baseline)))
     return 0
+
+
+def _bounds_source(config: ScheduleConfig) -> str:
+    """How the edges were chosen: 'auto' (fitted), the production preset, or given."""
+    if config.bucket_bounds == "auto":
+        return f"(auto, {config.num_buckets} buckets at most, fitted to this dataset)"
+    if config.bucket_bounds == PRODUCTION_BOUNDS:
+        return "(the production preset)"
+    return "(given)"
 
 
 def _values_line(ranges: dict[str, tuple[int, int]]) -> str:
@@ -1009,6 +1026,16 @@ def format_quality(q: Quality, baseline: Quality | None = None) -> str:
             str(q.finish_spread_steps),
             str(b.finish_spread_steps) if b else None,
         ),
+        row(
+            "batch-mates: row-id span / random's",
+            ratio_cell(q.batch_span_ratio),
+            ratio_cell(b.batch_span_ratio) if b else None,
+        ),
+        row(
+            "batch-mates: meeting again / chance",
+            ratio_cell(q.batch_mates_again),
+            ratio_cell(b.batch_mates_again) if b else None,
+        ),
         row("dropped samples", _fmt_dropped(q.dropped), _fmt_dropped(b.dropped) if b else None),
     ]
     header = ["figure", "ladle"] + (["random"] if baseline is not None else [])
@@ -1025,6 +1052,7 @@ def format_quality(q: Quality, baseline: Quality | None = None) -> str:
                 c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True))
             )
         )
+    lines.append(textwrap.fill(batch_mates_note(q), width=100))
     return "\n".join(lines)
 
 

@@ -8,9 +8,10 @@ request is always a typed, explained refusal and never a crash.
 from __future__ import annotations
 
 import re
-from typing import ClassVar
+from typing import Any, ClassVar
 
 __all__ = [
+    "AlgorithmVersionError",
     "BinaryFileError",
     "CheckpointMismatchError",
     "CheckpointPositionError",
@@ -329,12 +330,15 @@ class JobMismatchError(StoreError):
 
     reason = "config_mismatch"
 
-    def __init__(self, job: str, differences: tuple[tuple[str, str, str], ...]) -> None:
+    def __init__(
+        self, job: str, differences: tuple[tuple[str, str, str], ...], message: str | None = None
+    ) -> None:
         self.job = job
         self.differences = differences
         detail = "; ".join(f"{f} differs: stored {old!r}, given {new!r}" for f, old, new in differences)
         super().__init__(
-            f"job {job!r} exists with another identity ({detail}); refusing to resume it on other "
+            message
+            or f"job {job!r} exists with another identity ({detail}); refusing to resume it on other "
             "data or another schedule config. Use a new job name, or start it over from the "
             f"beginning: `ladle jobs --delete {job} --state FILE` (or `--redis-url URL`: the server's "
             "store; stop the job's trainers first), or from Python with "
@@ -348,6 +352,34 @@ class JobMismatchError(StoreError):
 
     def __reduce__(self) -> tuple[type[JobMismatchError], tuple[str, tuple[tuple[str, str, str], ...]]]:
         return (type(self), (self.job, self.differences))
+
+
+class AlgorithmVersionError(JobMismatchError):
+    """A stored job was planned by an earlier version of ladle's schedule algorithm.
+
+    The same config orders batches differently under this version, so the
+    job cannot resume where it stopped (guarantee 6); refused with nothing
+    changed, like any ``JobMismatchError``.
+    """
+
+    def __init__(
+        self, job: str, stored: int, current: int, differences: tuple[tuple[str, str, str], ...]
+    ) -> None:
+        self.stored_version = stored
+        self.current_version = current
+        super().__init__(
+            job,
+            differences,
+            f"job {job!r} was planned by version {stored} of ladle's schedule algorithm, and this "
+            f"server runs version {current}, which orders the same config's batches differently, so "
+            "the job cannot resume where it stopped. Finish it with the ladle release that started it, "
+            "or start it over under a new job name (or delete it first, its trainers stopped: "
+            f"`ladle jobs --delete {job} --state FILE` or `--redis-url URL`); a checkpoint of it "
+            "cannot be loaded into the new job",
+        )
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.job, self.stored_version, self.current_version, self.differences))
 
 
 class CheckpointMismatchError(StoreError):

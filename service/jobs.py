@@ -25,9 +25,11 @@ import numpy.typing as npt
 
 from .dataset import TokenDataset
 from .errors import (
+    AlgorithmVersionError,
     CheckpointMismatchError,
     CheckpointPositionError,
     ConfigError,
+    JobMismatchError,
     JobNotFoundError,
     ScheduleBusyError,
     ScheduleError,
@@ -77,10 +79,14 @@ KNOWN_JOBS: Final = 10_000
 
 
 def schedule_fingerprint(
-    dataset_fp: str, config_fp: str, world_size: int, plan: tuple[Resize, ...] = ()
+    dataset_fp: str,
+    config_fp: str,
+    world_size: int,
+    plan: tuple[Resize, ...] = (),
+    algorithm_version: int = ALGORITHM_VERSION,
 ) -> str:
     """Names the schedule every epoch of a job follows (changes with any input, resize or the algorithm)."""
-    text = f"ladle-schedule:v{ALGORITHM_VERSION}:{dataset_fp}:{config_fp}:{world_size}"
+    text = f"ladle-schedule:v{algorithm_version}:{dataset_fp}:{config_fp}:{world_size}"
     if plan:
         text += ":resized:" + plan_to_json(plan)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
@@ -524,11 +530,23 @@ class JobRegistry:
                 incarnation=(known.incarnation or None) if restore and known else None,
                 plan=known.plan if restore and known else (),
             )
+        except JobMismatchError as exc:
+            raise self._explained(exc) from None
         except WorldSizeMismatchError as exc:
             if not elastic:
                 raise
             state = self._resize(name, exc.stored, world_size, checkpoint)
         return self._job_for(state)
+
+    def _explained(self, exc: JobMismatchError) -> JobMismatchError:
+        """``AlgorithmVersionError`` for a job of this very config planned by an earlier algorithm."""
+        if exc.fields != ("config_fingerprint",) or isinstance(exc, AlgorithmVersionError):
+            return exc
+        stored = exc.differences[0][1]
+        version = self.config.planned_by(stored)
+        if version is None:
+            return exc
+        return AlgorithmVersionError(exc.job, version, ALGORITHM_VERSION, exc.differences)
 
     def check_restorable(self, name: str, world_size: int, fingerprint: str) -> None:
         """Refuse, before anything is stored, a client whose schedule a job created now would not be.
@@ -549,6 +567,18 @@ class JobRegistry:
         except JobNotFoundError:
             pass
         plain = schedule_fingerprint(self.dataset.fingerprint, self.config.fingerprint(), world_size)
+        for version in range(ALGORITHM_VERSION - 1, 0, -1):
+            old = schedule_fingerprint(
+                self.dataset.fingerprint, self.config.fingerprint(version), world_size, (), version
+            )
+            if fingerprint == old:
+                raise CheckpointMismatchError(
+                    f"this client's state is of job {name!r} as version {version} of ladle's schedule "
+                    f"algorithm planned it; this server runs version {ALGORITHM_VERSION}, which orders "
+                    "the same config's batches differently, so the position cannot be continued. Finish "
+                    "the job with the ladle release that started it, or start it over without loading "
+                    "the state. Nothing was stored"
+                )
         if fingerprint != plain:
             raise CheckpointMismatchError(
                 f"job {name!r} is not in the cursor store, and this client follows schedule {fingerprint}, "
@@ -666,7 +696,10 @@ class JobRegistry:
         schedule config than this server's (it cannot derive that schedule).
         """
         here = JobSpec(state.job, self.dataset.fingerprint, self.config.fingerprint(), state.spec.world_size)
-        check_identity(state.spec, here)
+        try:
+            check_identity(state.spec, here)
+        except JobMismatchError as exc:
+            raise self._explained(exc) from None
         known = self.get(state.job)
         if known is not None and known.is_stored_as(state):
             return known

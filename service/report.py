@@ -10,7 +10,7 @@ from typing import Final
 
 from .schedule.stats import BucketRow
 
-__all__ = ["BUCKET_HEADER", "bucket_cells"]
+__all__ = ["BUCKET_HEADER", "bucket_cells", "ratio_cell"]
 
 BUCKET_HEADER: Final = (
     "bucket",
@@ -40,3 +40,8 @@ def bucket_cells(row: BucketRow) -> list[str]:
         f"{row.pct_batches:.1f}%",
         f"{row.padding_efficiency:.3f}",
     ]
+
+
+def ratio_cell(ratio: float | None) -> str:
+    """A figure read as a multiple (the batch-mates' ``1.01x``), ``-`` when there is none."""
+    return "-" if ratio is None else f"{ratio:.2f}x"

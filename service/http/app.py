@@ -408,7 +408,8 @@ def create_app(
 
     @app.get("/v1/jobs/{job}/quality", tags=["schedule"], dependencies=protected, responses=_JOB_ERRORS)
     def get_quality(job: JobName, epoch: Epoch = None, interleave: InterleaveQuery = None) -> QualityReport:
-        """An epoch's quality figures (runs and their bounds, share deviation, distinct buckets, padding)
+        """An epoch's quality figures (runs and their bounds, share deviation, distinct buckets, padding,
+        batch-mates: how random the rows of a batch are, and how often they meet again the next epoch)
         and the simulated loss (bucket loss levels plus noise)."""
         variant, e = shown(job, epoch, interleave)
         return QualityReport.model_validate(

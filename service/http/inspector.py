@@ -21,7 +21,7 @@ from typing import Any, Final, Literal, TypeVar
 import numpy as np
 import numpy.typing as npt
 
-from ..errors import ConfigError, JobMismatchError, LadleError
+from ..errors import AlgorithmVersionError, ConfigError, JobMismatchError, LadleError
 from ..jobs import Job, JobRegistry
 from ..readiness import Readiness
 from ..schedule import Schedule
@@ -192,6 +192,8 @@ class Inspector:
         """
         try:
             job = self.registry.view(state)
+        except AlgorithmVersionError:
+            raise  # its own words: planned by an earlier algorithm, what to do (a 409 too)
         except JobMismatchError as exc:
             raise JobNotServedError(exc.job, exc.differences) from None
         if self.registry.get(state.job) is job:
@@ -245,8 +247,18 @@ class Inspector:
             ("buckets", job.fingerprint, epoch), lambda: bucket_table(job.schedule(epoch))
         )
 
-    def quality(self, job: Job, epoch: int) -> Quality:
-        return self._figures.get(("quality", job.fingerprint, epoch), lambda: quality(job.schedule(epoch)))
+    def quality(self, job: Job, epoch: int, *, again: bool = True) -> Quality:
+        """The epoch's figures; the batch-mates that meet again need the next epoch's schedule too.
+
+        ``again=False`` leaves that figure out and builds no next epoch (the
+        page's random baseline: its batches are ladle's, only their order differs).
+        """
+
+        def make() -> Quality:
+            sched = job.schedule(epoch)
+            return quality(sched, job.schedule(epoch + 1) if again else None)
+
+        return self._figures.get(("quality", job.fingerprint, epoch, again), make)
 
     def loss(self, job: Job, epoch: int) -> LossFigures:
         return self._figures.get(("loss", job.fingerprint, epoch), lambda: simulate_loss(job.schedule(epoch)))

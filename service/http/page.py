@@ -15,8 +15,8 @@ from typing import Any, Final
 
 from ..errors import LadleError
 from ..jobs import Job
-from ..report import BUCKET_HEADER, bucket_cells
-from ..schedule.stats import LossFigures, Quality
+from ..report import BUCKET_HEADER, bucket_cells, ratio_cell
+from ..schedule.stats import LossFigures, Quality, batch_mates_note
 from ..store.base import JobState
 from .inspector import DEFAULT_PAGE_STEPS, PREVIEW_WORLD_SIZE, Inspector, page_steps
 
@@ -113,6 +113,16 @@ def _quality_rows(q: Quality, r: Quality, lq: LossFigures, lr: LossFigures) -> l
             f"{r.distinct_per_step_min}, {r.distinct_per_step_mean:.2f}",
         ],
         ["buckets run out within (steps)", str(q.finish_spread_steps), str(r.finish_spread_steps)],
+        [
+            "batch-mates: row-id span / random's",
+            ratio_cell(q.batch_span_ratio),
+            ratio_cell(r.batch_span_ratio),
+        ],
+        [
+            "batch-mates: meeting again / chance",
+            ratio_cell(q.batch_mates_again),
+            ratio_cell(r.batch_mates_again),
+        ],
         ["simulated loss: std of windowed loss", f"{lq.windowed_std:.4f}", f"{lr.windowed_std:.4f}"],
         [
             "simulated loss: longest streak above mean",
@@ -192,7 +202,7 @@ def render(
     buckets = inspector.buckets(shown, e)
     sched = inspector.schedule(shown, e)
     cursor = None if state is None else inspector.cursor(shown, state)
-    q, qr = inspector.quality(shown, e), inspector.quality(baseline, e)
+    q, qr = inspector.quality(shown, e), inspector.quality(baseline, e, again=False)
     lq, lr = inspector.loss(shown, e), inspector.loss(baseline, e)
     ds = inspector.dataset
     k = sched.num_buckets
@@ -301,6 +311,7 @@ def render(
         quality_table=_table(
             "quality-table", ["figure", "ladle", "random shuffle"], _quality_rows(q, qr, lq, lr)
         ),
+        batch_mates_note=escape(f"{batch_mates_note(q)} (the counts are ladle's)"),
         state=json.dumps(state_doc).replace("</", "<\\/"),
         script=_SCRIPT,
     )
@@ -445,7 +456,8 @@ its bucket; a red outline marks where each rank is</figcaption><div class="scrol
 <p class="muted" id="status"></p>
 </section>
 <section id="buckets"><h2>Buckets</h2>{bucket_table}</section>
-<section id="quality"><h2>Quality</h2>{quality_table}</section>
+<section id="quality"><h2>Quality</h2>{quality_table}
+<p class="muted" id="batch-mates-note">{batch_mates_note}</p></section>
 <footer>API: <a href="openapi.json">/openapi.json</a>, <a href="v1/jobs">/v1/jobs</a>,
 <a href="metrics">/metrics</a></footer>
 <script id="ladle-state" type="application/json">{state}</script>

@@ -27,15 +27,19 @@ __all__ = [
     "MAX_SORT_CHUNK",
     "MAX_TOKEN_BUDGET",
     "PRODUCTION_BOUNDS",
+    "PRODUCTION_PRESET",
     "ScheduleConfig",
 ]
 
 # Bump whenever any change alters the batches or their order for the same
 # inputs; the golden test pins the current value's output.
-ALGORITHM_VERSION = 1
+ALGORITHM_VERSION = 2
 
-# The bounds of the production run docs/product.md describes.
+# The bounds of the production run docs/product.md describes: `bucket_bounds = "production"`.
+# Not the default: on real text they put 95-97% of rows in one bucket; "auto" fits
+# edges to the dataset instead.
 PRODUCTION_BOUNDS: tuple[int, ...] = (0, 770, 1216, 1728, 2432, 3296, 8193)
+PRODUCTION_PRESET = "production"
 
 # Upper bounds of the sizes, far above any real run: the schedule keeps int64
 # arrays with one entry per length up to max_seq_len (and the last bucket edge)
@@ -58,9 +62,10 @@ class ScheduleConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     bucket_bounds: tuple[int, ...] | Literal["auto"] = Field(
-        default=PRODUCTION_BOUNDS,
-        description="Increasing bucket edges [b0, b1, ..., bK]: bucket i holds lengths in "
-        "[b_i, b_{i+1}). Or 'auto': the num_buckets edges that minimise padded tokens.",
+        default="auto",
+        description="'auto' (default): the num_buckets edges that minimise padded tokens on this "
+        "dataset. Or increasing edges [b0, b1, ..., bK]: bucket i holds lengths in [b_i, b_{i+1}). "
+        "Or 'production': the edges of the production run in docs/product.md.",
     )
     num_buckets: int = Field(
         default=6,
@@ -104,10 +109,14 @@ class ScheduleConfig(BaseModel):
             text = value.strip()
             if text == "auto":
                 return "auto"
+            if text == PRODUCTION_PRESET:
+                return PRODUCTION_BOUNDS
             try:
                 return tuple(int(part) for part in text.replace(" ", "").strip("[]").split(","))
             except ValueError as exc:
-                raise ValueError(f"expected 'auto' or comma-separated integers, got {value!r}") from exc
+                raise ValueError(
+                    f"expected 'auto', '{PRODUCTION_PRESET}' or comma-separated integers, got {value!r}"
+                ) from exc
         if isinstance(value, list):
             return tuple(value)
         return value
@@ -141,7 +150,9 @@ class ScheduleConfig(BaseModel):
                 )
             if bounds[-1] <= self.max_seq_len:
                 default = (
-                    " (the default edges, for one production mix)" if bounds == PRODUCTION_BOUNDS else ""
+                    f" (the '{PRODUCTION_PRESET}' edges, for one production mix)"
+                    if bounds == PRODUCTION_BOUNDS
+                    else ""
                 )
                 raise ValueError(
                     f"bucket_bounds: last edge {bounds[-1]}{default} must exceed max_seq_len="
@@ -198,16 +209,37 @@ class ScheduleConfig(BaseModel):
 
     # --- identity ---
 
-    def canonical_json(self) -> str:
+    def canonical_json(self, algorithm_version: int | None = None) -> str:
         # Every field, num_buckets too beside explicit edges (where it shapes nothing): jobs stored
         # under these hashes must keep resuming, so the hash changes only with ALGORITHM_VERSION.
         data = self.model_dump(mode="json")
-        data["algorithm_version"] = ALGORITHM_VERSION
+        data["algorithm_version"] = ALGORITHM_VERSION if algorithm_version is None else algorithm_version
         return json.dumps(data, sort_keys=True, separators=(",", ":"))
 
-    def fingerprint(self) -> str:
-        """A stable hash of every field plus the algorithm version (hex, 16 chars)."""
-        return hashlib.sha256(self.canonical_json().encode()).hexdigest()[:16]
+    def fingerprint(self, algorithm_version: int | None = None) -> str:
+        """A stable hash of every field plus the algorithm version (hex, 16 chars).
+
+        ``algorithm_version`` names what this config's fingerprint was under an
+        earlier version, so a job planned by it is told apart from a job of
+        another config (``JobRegistry``).
+        """
+        return hashlib.sha256(self.canonical_json(algorithm_version).encode()).hexdigest()[:16]
+
+    def planned_by(self, fingerprint: str) -> int | None:
+        """The earlier algorithm version under which this config had ``fingerprint``, if any.
+
+        Version 1's default edges were the production preset, so a job that
+        it planned with the defaults counts as this config's when this one
+        takes the default ``auto``.
+        """
+        for version in range(ALGORITHM_VERSION - 1, 0, -1):
+            if self.fingerprint(version) == fingerprint:
+                return version
+        if self.bucket_bounds == "auto":
+            as_v1 = self.model_copy(update={"bucket_bounds": PRODUCTION_BOUNDS})
+            if as_v1.fingerprint(1) == fingerprint:
+                return 1
+        return None
 
 
 def _config_error(exc: ValidationError) -> ConfigError:

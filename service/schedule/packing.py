@@ -1,11 +1,13 @@
 """Packing one epoch's samples into token-budget batches.
 
 Rows of each bucket are dealt into seeded random chunks of about
-``sort_chunk`` rows and sorted by length inside each chunk; consecutive rows of
-a chunk then fill a batch greedily while ``rows * padded_len <= token_budget``
-and ``rows <= max_batch_size``. Sorting inside chunks keeps padding near zero
-(shuffle-then-pack wastes about a quarter of all tokens on the production mix),
-while the chunks keep which rows meet in a batch random from epoch to epoch.
+``sort_chunk`` rows and sorted by padded length inside each chunk; consecutive
+rows of a chunk then fill a batch greedily while ``rows * padded_len <=
+token_budget`` and ``rows <= max_batch_size``. Sorting inside chunks keeps
+padding near zero (shuffle-then-pack wastes about a quarter of all tokens on
+the production mix), while the chunks, and a per-epoch random order among rows
+of equal padded length, keep which rows meet in a batch random from epoch to
+epoch (guarantee 10): a tie is never broken by row id.
 
 Everything is vectorised: one ``np.sort`` of packed 64-bit keys orders all
 rows, and the greedy fill advances every chunk at once, one batch per
@@ -20,7 +22,7 @@ import numpy as np
 import numpy.typing as npt
 
 from ..errors import ScheduleError
-from ._seeds import STAGE_BATCH_ORDER, STAGE_CHUNKS, permutation
+from ._seeds import STAGE_BATCH_ORDER, STAGE_CHUNKS, STAGE_TIES, BitMixer, permutation
 from .config import ScheduleConfig
 
 __all__ = ["Packed", "pack"]
@@ -39,8 +41,9 @@ BLOCK = 1 << 20
 class Packed:
     """Batches as slices of one row array: batch i is ``rows[start[i]:start[i] + size[i]]``.
 
-    Inside a batch, rows are in ascending length order, so the last one is the
-    longest. ``rows`` and ``lengths`` are int32 below 2**31 rows (int64 above);
+    Inside a batch, rows are in ascending order of padded length, so the last
+    one has the batch's padded length (rows of one padded length are in a
+    random order). ``rows`` and ``lengths`` are int32 below 2**31 rows (int64 above);
     the per-batch arrays are int64.
     """
 
@@ -71,23 +74,29 @@ def _bucket_counts(buckets: IntArray, num_buckets: int) -> I64:
 
 
 def _sorted_keys(
-    rows: IntArray | None,
     lengths: IntArray,
     buckets: IntArray,
     num_buckets: int,
     config: ScheduleConfig,
     epoch: int,
-    row_bits: int,
+    tie_bits: int,
     len_bits: int,
     chunk_bits: int,
     chunks: npt.NDArray[np.uint64],
 ) -> I64:
-    """Sorted keys ``bucket | chunk | length | row`` packed into one int64 each."""
+    """Sorted keys ``bucket | chunk | padded length / pad | tie`` packed into one int64 each.
+
+    ``tie`` is the sample's position mixed by a per-epoch keyed bijection
+    (``BitMixer``): samples of equal padded length fall in a random order that
+    changes every epoch, and the position is still read back from the key.
+    """
     n = len(lengths)
     key = np.empty(n, dtype=np.int64)
     ukey = key.view(np.uint64)
     base = (np.arange(num_buckets, dtype=np.int64) << chunk_bits).astype(np.uint64)
     draws = np.random.PCG64(np.random.SeedSequence([config.seed, epoch, STAGE_CHUNKS]))
+    ties = BitMixer(tie_bits, config.seed, epoch, STAGE_TIES)
+    pad = np.uint64(config.pad_to_multiple_of)
     for a, b in _blocks(n):
         part = ukey[a:b]
         bk = buckets[a:b]
@@ -97,9 +106,15 @@ def _sorted_keys(
         part >>= np.uint64(32)
         part += np.take(base, bk)
         part <<= np.uint64(len_bits)
-        part |= lengths[a:b].astype(np.uint64)
-        part <<= np.uint64(row_bits)
-        part |= np.arange(a, b, dtype=np.uint64) if rows is None else rows[a:b].astype(np.uint64)
+        length_class = lengths[a:b].astype(np.uint64)
+        if pad > 1:  # rows of one padded length cost the same: they are one class
+            length_class += pad - np.uint64(1)
+            length_class //= pad
+        part |= length_class
+        part <<= np.uint64(tie_bits)
+        tie = np.arange(a, b, dtype=np.uint64)
+        ties.mix(tie)
+        part |= tie
     key.sort()
     return key
 
@@ -124,28 +139,38 @@ def pack(
         return Packed(empty, empty, empty, empty, empty, empty)
     per_bucket = _bucket_counts(buckets, num_buckets)
     chunks = np.maximum(1, -(-per_bucket // config.sort_chunk)).astype(np.uint64)
-    row_bits = _bits(num_rows_total)
-    len_bits = _bits(int(config.max_seq_len))
+    pad = config.pad_to_multiple_of
+    tie_bits = _bits(n - 1)
+    len_bits = _bits(-(-int(config.max_seq_len) // pad))
     chunk_bits = _bits(int(chunks.max()))
-    if row_bits + len_bits + chunk_bits + _bits(num_buckets) > 62:
+    if tie_bits + len_bits + chunk_bits + _bits(num_buckets) > 62:
         raise ScheduleError(
-            f"{num_rows_total} rows with max_seq_len {config.max_seq_len} and sort_chunk "
+            f"{n} rows with max_seq_len {config.max_seq_len} and sort_chunk "
             f"{config.sort_chunk} do not fit ladle's 62-bit sort keys; raise sort_chunk or split the dataset"
         )
-    key = _sorted_keys(
-        rows, lengths, buckets, num_buckets, config, epoch, row_bits, len_bits, chunk_bits, chunks
-    )
+    key = _sorted_keys(lengths, buckets, num_buckets, config, epoch, tie_bits, len_bits, chunk_bits, chunks)
 
     # Decode in blocks into compact arrays; the key array becomes the segment id.
-    rows_sorted: IntArray = np.empty(n, dtype=np.int32 if num_rows_total < 2**31 else np.int64)
+    row_dtype = np.int32 if num_rows_total < 2**31 else np.int64
+    rows_sorted: IntArray = np.empty(n, dtype=row_dtype)
     lengths_sorted = np.empty(n, dtype=np.int32)
-    row_mask = np.int64((1 << row_bits) - 1)
+    tie_mask = np.int64((1 << tie_bits) - 1)
     len_mask = np.int64((1 << len_bits) - 1)
+    ties = BitMixer(tie_bits, config.seed, epoch, STAGE_TIES)
     for a, b in _blocks(n):
         part = key[a:b]
-        np.bitwise_and(part, row_mask, out=rows_sorted[a:b], casting="unsafe")
-        part >>= row_bits
-        np.bitwise_and(part, len_mask, out=lengths_sorted[a:b], casting="unsafe")
+        position = np.bitwise_and(part, tie_mask).view(np.uint64)
+        ties.unmix(position)
+        index = position.view(np.int64)
+        if rows is None:
+            rows_sorted[a:b] = index
+        else:
+            rows_sorted[a:b] = rows[index]
+        part >>= tie_bits
+        if pad == 1:
+            np.bitwise_and(part, len_mask, out=lengths_sorted[a:b], casting="unsafe")
+        else:
+            lengths_sorted[a:b] = lengths[index]
         part >>= len_bits
     segment = key
 

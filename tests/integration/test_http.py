@@ -176,8 +176,10 @@ def check_buckets_and_quality(server: ServerProcess, job: str, dataset: Path) ->
     for interleave in ("stride", "random"):
         doc = ok(server, f"/v1/jobs/{job}/quality?epoch=0&interleave={interleave}")
         sched = reference(dataset, 2, 0, interleave)
+        after = reference(dataset, 2, 1, interleave)  # the batch-mates that meet again
         assert doc["interleave"] == interleave
-        assert doc["quality"] == json.loads(json.dumps(asdict(quality(sched))))
+        assert doc["quality"] == json.loads(json.dumps(asdict(quality(sched, after))))
+        assert doc["quality"]["batch_mates_again"] is not None
         assert doc["simulated_loss"] == asdict(simulate_loss(sched))
     epoch1 = ok(server, f"/v1/jobs/{job}/buckets?epoch=1")
     assert epoch1["buckets"] == plan_json(dataset, 2, 1)["buckets"]
@@ -267,7 +269,9 @@ def check_inspect(server: ServerProcess, job: str, sched: Schedule) -> None:
         assert cli.main(["inspect", "--server", f"127.0.0.1:{server.http_port}", "--job", job]) == 0
     text = out.getvalue()
     assert cli.format_bucket_table(sched) in text, "inspect's bucket table differs from ladle plan's"
-    assert cli.format_quality(quality(sched), quality(reference(server.dataset, 2, 0, "random"))) in text
+    ours = quality(sched, reference(server.dataset, 2, 1))
+    random = quality(reference(server.dataset, 2, 0, "random"), reference(server.dataset, 2, 1, "random"))
+    assert cli.format_quality(ours, random) in text
     assert "ranks (leader at 0:10)" in text
     out = io.StringIO()
     with contextlib.redirect_stdout(out):

@@ -12,15 +12,7 @@ import pytest
 from ladle.service.cli import format_cursor, format_job_names, main
 from tests.support.pipes import into_closed_pipe
 
-
-@pytest.fixture(scope="module")
-def sample(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("ds") / "sample"
-    assert main(["make-dataset", str(out), "--rows", "3000", "--seed", "1", "--scale", "0.0625"]) == 0
-    return out
-
-
-SMALL = ["--max-seq-len", "512", "--bucket-bounds", "0,48,76,108,152,206,513", "--token-budget", "3072"]
+from .conftest import SMALL
 
 
 def test_plan_json_keys(sample: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -308,17 +300,32 @@ def test_demo_takes_the_dataset_as_plan_and_serve_do(capsys: pytest.CaptureFixtu
 def test_plan_hints_at_auto_edges_when_one_bucket_takes_nearly_all(
     sample: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """The default edges fit one production mix; a dataset of short rows lands in their first bucket."""
-    assert main(["plan", str(sample), "--token-budget", "8192"]) == 0  # the default edges: 0, 770, ...
+    """The production edges fit one production mix; a dataset of short rows lands in their first bucket."""
+    production = ["--bucket-bounds", "production"]
+    assert main(["plan", str(sample), *production, "--token-budget", "8192"]) == 0
     out = capsys.readouterr().out
+    assert "bucket bounds (the production preset): 0, 770, 1216, 1728, 2432, 3296, 8193" in out, out
     assert "of the samples fall in one bucket ([0, 770))" in out, out
     assert "--bucket-bounds auto" in out
     assert main(["plan", str(sample), *SMALL]) == 0
-    assert "fall in one bucket" not in capsys.readouterr().out
-    assert main(["plan", str(sample), "--max-seq-len", "32768", "--token-budget", "32768"]) == 2
+    out = capsys.readouterr().out
+    assert "fall in one bucket" not in out
+    assert "bucket bounds (given): 0, 48, 76, 108, 152, 206, 513" in out, out
+    assert main(["plan", str(sample), *production, "--max-seq-len", "32768", "--token-budget", "32768"]) == 2
     err = capsys.readouterr().err
-    assert "last edge 8193 (the default edges, for one production mix) must exceed" in err, err
+    assert "last edge 8193 (the 'production' edges, for one production mix) must exceed" in err, err
     assert "--bucket-bounds auto" in err
+
+
+def test_plan_fits_edges_by_default_and_shows_them(sample: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """auto is the default: a longer max_seq_len needs no edges, and every plan prints the chosen ones."""
+    assert main(["plan", str(sample), "--max-seq-len", "32768", "--token-budget", "32768"]) == 0
+    out = capsys.readouterr().out
+    line = next(x for x in out.splitlines() if x.startswith("bucket bounds (auto"))
+    edges = [int(e) for e in line.split(":", 1)[1].split(",")]
+    assert (edges[0], edges[-1]) == (0, 32769), line
+    assert edges == sorted(edges), line
+    assert "fall in one bucket" not in out, "auto edges spread the rows"
 
 
 def test_plan_check_values_prints_the_ranges(sample: Path, capsys: pytest.CaptureFixture[str]) -> None:

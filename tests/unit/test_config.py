@@ -12,9 +12,14 @@ from ladle.service.errors import ConfigError
 from ladle.service.schedule import PRODUCTION_BOUNDS, ScheduleConfig
 
 
-def test_defaults_are_the_production_case() -> None:
+def test_defaults_are_the_production_case_with_auto_edges() -> None:
     c = ScheduleConfig()
-    assert c.bucket_bounds == PRODUCTION_BOUNDS
+    assert c.bucket_bounds == "auto", "edges are fitted to the dataset unless given"
+    preset = ScheduleConfig.from_mapping({"bucket_bounds": " production "})  # a flag's or a TOML file's words
+    assert preset.bucket_bounds == PRODUCTION_BOUNDS
+    assert preset.fingerprint() == ScheduleConfig(bucket_bounds=PRODUCTION_BOUNDS).fingerprint(), (
+        "the preset is its edges: the same job identity"
+    )
     assert (c.max_seq_len, c.token_budget, c.max_batch_size) == (8192, 49152, 64)
     assert (c.interleave, c.rank_mode, c.overlong, c.remainder) == (
         "stride",
@@ -131,4 +136,13 @@ def test_num_buckets_stays_in_the_identity_beside_explicit_edges() -> None:
     plain = ScheduleConfig(bucket_bounds=edges, max_seq_len=64, token_budget=512)
     other = plain.replace(num_buckets=3)
     assert plain.fingerprint() != other.fingerprint(), "stored jobs' identities would move"
-    assert ScheduleConfig().fingerprint() == "b60d4fea68cbcee9", "the default config's identity moved"
+    assert ScheduleConfig().fingerprint() == "db9a6849bcd574d7", "the default config's identity moved"
+
+
+def test_a_job_of_an_earlier_algorithm_version_is_recognised() -> None:
+    """Version 1's default config (production edges) had b60d4fea68cbcee9: a job stored with it is
+    told apart from a job of another config, so the refusal can say what happened."""
+    assert ScheduleConfig().planned_by("b60d4fea68cbcee9") == 1, "the old default's jobs"
+    assert ScheduleConfig(bucket_bounds=PRODUCTION_BOUNDS).planned_by("b60d4fea68cbcee9") == 1
+    assert ScheduleConfig(seed=1).planned_by("b60d4fea68cbcee9") is None, "another config is not"
+    assert ScheduleConfig().planned_by(ScheduleConfig().fingerprint()) is None, "the current version"

@@ -10,7 +10,13 @@ from hypothesis import assume, given
 from hypothesis import strategies as st
 
 from ladle.service.errors import ScheduleError
-from ladle.service.schedule import Schedule, ScheduleConfig, build_schedule, run_lower_bound
+from ladle.service.schedule import (
+    PRODUCTION_BOUNDS,
+    Schedule,
+    ScheduleConfig,
+    build_schedule,
+    run_lower_bound,
+)
 from ladle.service.schedule.stats import quality
 
 
@@ -240,12 +246,13 @@ def test_fewer_rows_than_ranks() -> None:
 
 def test_no_step_under_remainder_drop_names_the_policy() -> None:
     """3 rows can serve 2 ranks (split does); the error blamed the row count, not the drop policy."""
-    assert build_schedule([5, 6, 7], ScheduleConfig(), world_size=2).num_steps == 1
+    one_bucket = ScheduleConfig(bucket_bounds=PRODUCTION_BOUNDS)  # auto would give each length a bucket
+    assert build_schedule([5, 6, 7], one_bucket, world_size=2).num_steps == 1
     policy = r"remainder='drop', which left out 3 row\(s\).*remainder='split'"
     with pytest.raises(ScheduleError, match=policy):
-        build_schedule([5, 6, 7], ScheduleConfig(remainder="drop"), world_size=2)
+        build_schedule([5, 6, 7], one_bucket.replace(remainder="drop"), world_size=2)
     with pytest.raises(ScheduleError) as info:
-        build_schedule([5, 6, 7], ScheduleConfig(), world_size=4)
+        build_schedule([5, 6, 7], one_bucket, world_size=4)
     assert "remainder" not in str(info.value), "split served what it could: the policy is not the cause"
 
 
