@@ -15,6 +15,7 @@ import sys
 from benchmarks import (
     bench_assemble,
     bench_auth,
+    bench_batchmates,
     bench_client_lifetime,
     bench_dataset,
     bench_http,
@@ -32,6 +33,7 @@ def main(argv: list[str]) -> int:
     full = "--full" in argv
     results = {
         "schedule": bench_schedule.main(full),
+        "batchmates": bench_batchmates.main(quick=not full),
         "dataset": bench_dataset.bench_make_dataset(1_000_000 if full else 100_000),
         "serving": bench_serving.main(full),
         "assemble": bench_assemble.main(50_000 if full else 20_000),
@@ -91,6 +93,8 @@ def main(argv: list[str]) -> int:
     for line in bench_soak.summary(results["soak"]):
         print(line, file=sys.stderr)
     for line in bench_client_lifetime.summary(results["client_lifetime"]):
+        print(line, file=sys.stderr)
+    for line in bench_batchmates.summary(results["batchmates"]):
         print(line, file=sys.stderr)
     return 0
 

@@ -5,8 +5,9 @@ batches in flight (credits), and hands out batches whose arrays are read-only
 views of the received frames (no copy). A batch counts as consumed when the
 trainer asks for the next one, calls ``state_dict()`` or closes the client;
 the client then acknowledges it, and the server moves the rank's stored
-cursor. If the server goes away (UNAVAILABLE), the client reconnects with
-exponential backoff and continues at its next step: no gap, no duplicate.
+cursor. If the server goes away (UNAVAILABLE) or is at its limit on calls in
+progress (RESOURCE_EXHAUSTED, reason ``too_many_calls``), the client reconnects
+with exponential backoff and continues at its next step: no gap, no duplicate.
 
 Imports only grpcio, numpy and ``ladle.proto`` (torch when ``device`` is given).
 """
@@ -623,8 +624,14 @@ class BatchClient:
         ``close()`` (or a ``with`` block) it is where the client ended: after
         the batches it consumed, at the held one if the block ended in an
         exception.
+
+        Raises ``FencedError`` once the client knows that a newer process took
+        its rank (the server ended its stream so, whether or not ``next()`` has
+        raised it yet): a replaced process must not checkpoint a position, which
+        could overwrite the newer process's checkpoint.
         """
         with self._busy:
+            self._raise_if_fenced()
             if self._ended_at_known_position():
                 assert self._next is not None
                 return self._state(*self._next)
@@ -640,6 +647,7 @@ class BatchClient:
                 self._receive(until_start=True)
             if self._stream is not None:
                 self._stream.flush()
+            self._raise_if_fenced()  # the fence may have come while it waited
             assert self._next is not None
             return self._state(*self._next)
 
@@ -777,7 +785,8 @@ class BatchClient:
     def _describe(self, epoch: int | None) -> pb.JobInfo:
         """The server's ``JobInfo`` of this job for ``epoch`` (None: this client's, else the job's).
 
-        Retried with backoff while the server is unavailable, up to ``timeout``.
+        Retried with backoff while the server is unavailable or at its limit on
+        calls in progress (RESOURCE_EXHAUSTED, ``_is_busy``), up to ``timeout``.
         """
         if epoch is None and self._next is not None:
             epoch = self._next[0]
@@ -909,17 +918,36 @@ class BatchClient:
         return self._next is not None and self._next[0] > loaded
 
     def _check_usable(self) -> None:
-        """Raise if this client cannot serve the caller: closed, fenced, or made in another process."""
+        """Raise if this client cannot serve the caller: made in another process, fenced, or closed."""
         if self._pid != os.getpid():
             raise BatchClientError(
                 f"this BatchClient was made in process {self._pid}, not this one ({os.getpid()}): gRPC "
                 "does not survive a fork; make the client in the process that uses it, and start that "
                 "process with 'spawn' (multiprocessing, torch.multiprocessing) or before the parent uses gRPC"
             )
+        self._raise_if_fenced()
         if self._closed:
             raise BatchClientError("the client is closed")
-        if self._fence is not None:
-            raise FencedError(str(self._fence), self._fence.code)
+
+    def _note_fence(self, stream: _ThreadedStream | _PolledStream | None) -> FencedError | None:
+        """The fence this client knows of: raised before, or the end of ``stream`` its reader has seen.
+
+        The reader thread notes a fence as soon as the stream's status comes,
+        before the trainer has taken the batches still queued ahead of it
+        (they are the newer process's now): from then on the client is fenced.
+        """
+        if self._fence is None and stream is not None and stream.fenced is not None:
+            error = self._map_error(stream.fenced)
+            if isinstance(error, FencedError):
+                self._fence = error
+        return self._fence
+
+    def _raise_if_fenced(self) -> None:
+        """Raise ``FencedError`` once this client (in its own process) knows a newer process took its rank."""
+        if self._pid == os.getpid():
+            fence = self._note_fence(self._stream)
+            if fence is not None:
+                raise FencedError(str(fence), fence.code)
 
     def _receive(self, *, until_start: bool = False) -> Any:
         """The next batch or epoch end; with ``until_start``, return None once the stream has started.
@@ -938,6 +966,8 @@ class BatchClient:
             try:
                 # a fenced stream's queued batches are the newer process's now: its status first
                 item = stream.fenced or stream.next(max(0.0, deadline - time.monotonic()))
+                if isinstance(item, tuple) and stream.fenced is not None:
+                    item = stream.fenced  # the status came as the batch left the queue: not this process's
             except queue.Empty:
                 self._drop_stream()
                 silent += 1
@@ -1053,6 +1083,10 @@ class BatchClient:
         name = code.name if code is not None else "UNKNOWN"
         if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED) and not self._closed:
             return ServerUnavailableError(f"{self._address}: {message}", name)
+        if _is_busy(code, message, details) and not self._closed:  # retried with backoff, as unavailable
+            return ServerUnavailableError(
+                f"{self._address}: {message} (the server's limit on calls in progress)", name
+            )
         if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
             return AuthenticationError(f"{self._address}: {message}", name)
         if _is_fence(exc):
@@ -1155,6 +1189,8 @@ class BatchClient:
         if self._stream is not None:
             return self._stream
         self._check_open()
+        if self._fence is not None:  # a fenced process must stop: a new stream would take its rank back
+            raise FencedError(str(self._fence), self._fence.code)
         stub = self._connect(deadline)
         request = pb.Open(
             job=self.job,
@@ -1188,6 +1224,7 @@ class BatchClient:
 
     def _drop_stream(self) -> None:
         if self._stream is not None:
+            self._note_fence(self._stream)  # a fence its reader saw outlives the stream
             self._stream.close()
             self._stream = None
         if self._channel is not None:
@@ -1209,23 +1246,32 @@ class BatchClient:
         """Acknowledge the held batch and close the stream; idempotent.
 
         In a forked child it only marks this client closed: the parent's
-        gRPC channel is not the child's to touch.
+        gRPC channel is not the child's to touch. Once the client knows that a
+        newer process took its rank (before or while it closes: the stream's
+        graceful end reads the server's status), it acknowledges nothing, closes,
+        and raises ``FencedError``, each time it is called: the process was
+        replaced and must not report a clean end.
         """
         if self._closed:
+            self._raise_if_fenced()
             return
         if self._pid != os.getpid():
             self._closed = True
             return
-        self._consume_held()
-        if self._stream is not None:
-            self._stream.flush()
+        fenced = self._note_fence(self._stream) is not None
+        if not fenced:
+            self._consume_held()
+            if self._stream is not None:
+                self._stream.flush()
         self._closed = True
         stream, self._stream = self._stream, None
         if stream is not None:
-            stream.close(join=1.0)
+            stream.close(join=0.0 if fenced else 1.0)
+            self._note_fence(stream)
         if self._channel is not None:
             self._channel.close()
             self._channel = None
+        self._raise_if_fenced()
 
     def __enter__(self) -> BatchClient:
         return self
@@ -1245,7 +1291,11 @@ class BatchClient:
             # the trainer failed on it: not consumed, the next process (or a state_dict() taken
             # now) gets it again
             self._next, self._held = self._held, None
-        self.close()
+        if exc_type is None:
+            self.close()
+            return
+        with contextlib.suppress(FencedError):  # the exception on its way out goes on (a fence's too)
+            self.close()
 
     def __del__(self) -> None:  # pragma: no cover - best effort
         """Dropped without ``close()``: acknowledge what was consumed (not the held batch), then end.
@@ -1267,6 +1317,25 @@ class BatchClient:
             ).start()
         except Exception:
             pass
+
+
+# grpcio's own answer over a server's maximum_concurrent_rpcs (no ladle.v1.Error with it)
+_GRPC_BUSY = "Concurrent RPC limit exceeded"
+
+
+def _is_busy(code: Any, message: str, details: pb.Error | None) -> bool:
+    """A call refused because the server is at its limit on calls in progress: it passes, so retry.
+
+    RESOURCE_EXHAUSTED with ladle's reason ``too_many_calls``, or gRPC's own
+    "Concurrent RPC limit exceeded!" (a server with ``maximum_concurrent_rpcs``). Not
+    the other RESOURCE_EXHAUSTED answers: a message over the size limit or a
+    server's sessions all taken (``too_many_sessions``) stay so, and fail at once.
+    """
+    if code is not grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return False
+    if details is not None:
+        return details.reason == "too_many_calls"
+    return message.startswith(_GRPC_BUSY)
 
 
 def _is_fence(status: Any) -> bool:

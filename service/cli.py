@@ -423,6 +423,22 @@ def _add_limit_options(parser: argparse.ArgumentParser) -> None:
         f"inspected epoch's; each holds about 10 bytes a row, so lower it for huge datasets "
         f"(default: {d.spare_schedules})",
     )
+    group.add_argument(
+        "--max-schedules",
+        type=int,
+        default=d.max_schedules,
+        metavar="N",
+        help=f"schedules no stream uses that Opens and Describes had built in the last minute (new world "
+        f"sizes or start epochs), builds in progress included; an Open that needs one more is refused "
+        f"with RESOURCE_EXHAUSTED. Each holds about 10 bytes a row (default: {d.max_schedules})",
+    )
+    group.add_argument(
+        "--max-schedules-per-client",
+        type=int,
+        metavar="N",
+        help="the same for one client (its address and client_id), so one cannot take them all "
+        "(default: half of --max-schedules)",
+    )
 
 
 def limits_from_args(args: argparse.Namespace) -> Limits:
@@ -437,6 +453,8 @@ def limits_from_args(args: argparse.Namespace) -> Limits:
         idle_timeout_s=args.idle_timeout,
         handshake_timeout_s=args.handshake_timeout,
         spare_schedules=args.spare_schedules,
+        max_schedules=args.max_schedules,
+        max_schedules_per_client=args.max_schedules_per_client,
     )
 
 

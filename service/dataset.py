@@ -20,6 +20,7 @@ import json
 import logging
 import os
 import re
+import stat
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -271,6 +272,8 @@ def _load(where: str) -> Any:
         raise DatasetError(
             f"{where} holds a DatasetDict (splits {splits}); pass one split's folder, e.g. {example}"
         )
+    for name in ("state.json", "dataset_info.json"):
+        _check_regular(where, folder / name, missing_ok=True)
     missing = [name for name in ("state.json", "dataset_info.json") if not (folder / name).is_file()]
     if missing:
         cache = " (a load_dataset cache folder is not one)" if any(folder.glob("*.arrow")) else ""
@@ -278,13 +281,23 @@ def _load(where: str) -> Any:
             f"{where} is not a saved dataset{cache}: it has no {' and no '.join(missing)}; write it "
             "with datasets.Dataset.save_to_disk and pass that folder"
         )
-    try:
-        state = json.loads((folder / "state.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise DatasetError(f"{where}: state.json is unreadable: {exc}") from exc
-    if isinstance(state, dict) and state.get("_data_files") == []:
+    state = _json_object(where, folder / "state.json")
+    _json_object(where, folder / "dataset_info.json")  # datasets.load_from_disk fails with a traceback
+    data_files = state.get("_data_files")
+    if data_files == []:
         # save_to_disk writes no shard at all for a dataset without rows
         raise EmptyDatasetError(f"dataset {where} has no rows; ladle needs at least one")
+    if not isinstance(data_files, list) or not all(
+        isinstance(entry, dict) and isinstance(entry.get("filename"), str) and entry["filename"]
+        for entry in data_files
+    ):
+        found = _shown(data_files) if "_data_files" in state else "missing"
+        raise DatasetError(
+            f"{where}: state.json's _data_files is {found}, not the list of "
+            '{"filename": ...} that save_to_disk writes'
+        )
+    for entry in data_files:  # as datasets.load_from_disk joins them
+        _check_regular(where, folder / entry["filename"], missing_ok=False)
     try:
         ds = datasets.load_from_disk(where, keep_in_memory=False)
     except (OSError, ValueError, KeyError, IndexError, TypeError, pa.ArrowException) as exc:
@@ -301,6 +314,56 @@ def _load(where: str) -> Any:
             "ds.flatten_indices() before save_to_disk so rows are stored in order"
         )
     return ds
+
+
+def _check_regular(where: str, path: Path, *, missing_ok: bool) -> None:
+    """``DatasetError`` naming ``path`` unless it is a regular file (or a link to one), checked with
+    one ``stat`` before anything opens it: opening a FIFO waits for a writer, and serve hung silently."""
+    named = str(path) if len(str(path)) <= 300 else str(path)[:297] + "..."  # a name state.json gave
+    try:
+        mode = os.stat(path).st_mode
+    except (FileNotFoundError, NotADirectoryError):
+        if missing_ok:
+            return
+        raise DatasetError(f"{where}: the data file {named} does not exist (state.json lists it)") from None
+    except (OSError, ValueError) as exc:  # ValueError: a name with a NUL character
+        raise DatasetError(
+            f"{where}: {named} cannot be read: {getattr(exc, 'strerror', None) or exc}"
+        ) from exc
+    if stat.S_ISREG(mode):
+        return
+    kinds = (
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISFIFO, "a FIFO (named pipe)"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+    )
+    kind = next((kind for test, kind in kinds if test(mode)), "not a regular file")
+    raise DatasetError(
+        f"{where}: {named} is {kind}, not a regular file: ladle reads only files save_to_disk wrote"
+    )
+
+
+def _json_object(where: str, path: Path) -> dict[str, Any]:
+    """The JSON object in ``path`` (a metadata file of the dataset), else ``DatasetError`` naming it."""
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise DatasetError(f"{where}: {path.name} is unreadable: {exc}") from exc
+    if not isinstance(value, dict):
+        raise DatasetError(
+            f"{where}: {path.name} holds {_shown(value)}, not the JSON object save_to_disk writes"
+        )
+    return value
+
+
+def _shown(value: object) -> str:
+    """A JSON value for an error message: its kind, and itself if short."""
+    kind = {list: "an array", dict: "an object", str: "a string", bool: "a boolean", type(None): "null"}
+    name = kind.get(type(value), "a number")
+    text = json.dumps(value)
+    return name if value is None else f"{name}, {text if len(text) <= 60 else text[:57] + '...'}"
 
 
 def _splits(dict_json: Path) -> list[str]:

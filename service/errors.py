@@ -31,6 +31,7 @@ __all__ = [
     "OverlongSampleError",
     "ScheduleBusyError",
     "ScheduleError",
+    "ScheduleLimitError",
     "StoreCorruptError",
     "StoreCredentialsError",
     "StoreError",
@@ -97,6 +98,30 @@ class ScheduleBusyError(LadleError):
 
     def __reduce__(self) -> tuple[type[ScheduleBusyError], tuple[str, int]]:
         return (type(self), (str(self), self.retry_after))
+
+
+class ScheduleLimitError(LadleError):
+    """Building another schedule would pass a limit on those no stream uses (``ladle serve --max-schedules``).
+
+    The schedules a server built for Opens (and Describes) in the last minute
+    that no stream is using count, with the builds in progress, against a
+    limit per server and one per client; beyond either the request is
+    refused (RESOURCE_EXHAUSTED, HTTP 429). ``reason`` says which
+    (``too_many_schedules`` or ``too_many_schedules_per_client``), ``limit``
+    names it as the metrics do, ``retry_after`` is the seconds until one of
+    them may be dropped.
+    """
+
+    kind = "resource_exhausted"
+
+    def __init__(self, message: str, reason: str = "too_many_schedules", retry_after: int = 60) -> None:
+        self.reason = reason
+        self.limit = "max_schedules_per_client" if reason.endswith("per_client") else "max_schedules"
+        self.retry_after = retry_after
+        super().__init__(message)
+
+    def __reduce__(self) -> tuple[type[ScheduleLimitError], tuple[str, str, int]]:
+        return (type(self), (str(self), self.reason, self.retry_after))
 
 
 class OverlongSampleError(ScheduleError):

@@ -2,10 +2,9 @@
 
 grpc.aio waits for the one request of a unary-request call (Describe, the
 health service's Check and Watch) before the handler runs, with no time
-limit, and each waiting call holds one of the server's
-``maximum_concurrent_rpcs``: a few hundred calls that open and never send
-their request (no token needed: the health service takes none, and the
-token check ran inside the handler) would shut every trainer and probe out.
+limit, and each waiting call holds a slot of its kind's call budget
+(``security.CallGate``): calls that open and never send their request would
+hold those slots for ever (no token needed for the health service's).
 It also parses that request itself, so bytes that are not the message ended
 the call as UNKNOWN with an ERROR and a traceback in the log, one per call.
 

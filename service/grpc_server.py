@@ -25,8 +25,10 @@ import functools
 import logging
 import threading
 import time
+import urllib.parse
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from concurrent.futures import Executor, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -42,11 +44,12 @@ from .errors import (
     FencedError,
     JobNotFoundError,
     LadleError,
+    ScheduleLimitError,
     StoreUnavailableError,
     reason_of,
 )
 from .first_request import NoRequestError, first_request
-from .jobs import Job, JobRegistry
+from .jobs import Job, JobRegistry, ScheduleLease
 from .limits import Limits
 from .metrics import ServerMetrics, StreamMeter
 from .schedule import Schedule
@@ -68,12 +71,17 @@ STORE_WRITERS = 16
 # crowd of Describes never queues ahead of a trainer's Open
 DESCRIBERS = 2
 # A stream that ended with its last acknowledged position unwritten (the store did not answer) has
-# it written when the store answers again: tried this long, at most LATE_WRITE_MAX_DELAY_S apart.
+# it written when the store answers again: tried this long, at most LATE_WRITE_MAX_DELAY_S apart,
+# and once more at once when the server shuts down (within its grace period).
 LATE_WRITE_S = 600.0
 LATE_WRITE_MAX_DELAY_S = 5.0
-# A reconnecting client's Resume.generation at most: one generation is issued per stream opened, and a
-# larger claim would be stored (the store lost writes) and leave too few generations for later joins
+# A reconnecting client's Resume.generation at most (checked before the join): the generation of its
+# last StreamStart, and one is issued per stream opened
 RESUME_GENERATION_LIMIT = 2**32
+# A Resume.generation the store lost is written back (one more, for the new stream), and every later join
+# adds one: only a claim below this is, so that 2**31 joins pass before a trainer of the rank would
+# reconnect with a generation at RESUME_GENERATION_LIMIT (and be refused after every restart)
+RESUME_CLAIM_LIMIT = 2**31
 # Longest error message sent back: the status details and the trailer both carry it, and
 # a client refuses response headers and trailers over 16 KiB or so.
 _MAX_MESSAGE_CHARS = 2000
@@ -140,6 +148,27 @@ def _printable(text: str, most: int = 200) -> str:
     return cut + (f"... ({len(text)} characters)" if len(text) > most else "")
 
 
+def _peer_host(peer: str) -> str:
+    """The host of a gRPC peer: 'ipv4:10.0.0.5:4242' -> '10.0.0.5', 'ipv6:[::1]:4242' -> '::1'."""
+    kind, _, rest = urllib.parse.unquote(peer).partition(":")
+    if kind in ("ipv4", "ipv6"):
+        return rest.rsplit(":", 1)[0].strip("[]")
+    return peer
+
+
+def _client_key(context: Any, client_id: str | None) -> str:
+    """Who asks, for the limits per client on schedules: ``Open.client_id`` at the peer's host.
+
+    None (a Describe, which names no client): the peer's address and port, its connection, so the
+    processes of one host (a trainer's ``len(client)`` each) are not one client.
+    """
+    peer = getattr(context, "peer", None)
+    address = str(peer()) if callable(peer) else ""
+    if client_id is None:
+        return urllib.parse.unquote(address) or "an unknown address"
+    return f"{_printable(client_id, 100) or '-'} at {_peer_host(address) or 'an unknown address'}"
+
+
 def _malformed(exc: DecodeError) -> StreamAbortedError:
     """A request whose bytes are not a ``ladle.v1.StreamRequest`` (grpc parses it before the servicer)."""
     return StreamAbortedError(
@@ -182,6 +211,7 @@ class _Session:
         self.failure: BaseException | None = None
         self.requests_done = False
         self.replaced = False
+        self.lease: ScheduleLease | None = None  # the schedule its stream is on is in use (ScheduleCache)
 
     def grant(self, n: int, field: str) -> None:
         """The client returned ``n`` credits; more than the batches in flight is INVALID_ARGUMENT."""
@@ -383,6 +413,17 @@ class _Session:
         return StreamAbortedError("failed_precondition", "fenced", why)
 
 
+@dataclass
+class _LateWrite:
+    """The retry of the last position of a stream that ended unwritten (kept on the event loop)."""
+
+    session: _Session
+    target: Position
+    task: asyncio.Task[None] | None = None
+    trying: bool = False  # a try is with the store now
+    error: BaseException | None = None  # what the last try failed with
+
+
 class BatchServicer:
     """Serves every job of one dataset and config; register with ``handler()`` on a grpc.aio server."""
 
@@ -410,18 +451,23 @@ class BatchServicer:
         self._opening: dict[tuple[str, int], int] = {}
         self._stopping = False
         # (job, rank) -> (generation, start, monotonic time) of streams begun at the job's cursor
-        self._aligned_starts: dict[tuple[str, int], tuple[int, Position, float]] = {}
+        # (job, rank) -> (generation, start, monotonic time, store time of the join) of streams begun
+        # at the job's cursor
+        self._aligned_starts: dict[tuple[str, int], tuple[int, Position, float, float]] = {}
         self._aligned_lock = threading.Lock()  # Opens run on threads of their own
         # the streams' cursor writes: off the event loop, so a store that hangs stops no batch
         self.store_executor = ThreadPoolExecutor(STORE_WRITERS, thread_name_prefix="ladle-store")
         self.describe_executor = ThreadPoolExecutor(DESCRIBERS, thread_name_prefix="ladle-describe")
         # (job, rank) -> the retry of a position an ended stream could not write (on the event loop)
-        self._late_writes: dict[tuple[str, int], tuple[Position, asyncio.Task[None]]] = {}
+        self._late_writes: dict[tuple[str, int], _LateWrite] = {}
+        # set at shutdown: every retry makes its last try at once (end_late_writes)
+        self._last_tries = asyncio.Event()
         # (job, rank) -> an ended stream whose last write is still in flight
         self._in_doubt: dict[tuple[str, int], _Session] = {}
         self.metrics = metrics if metrics is not None else ServerMetrics()
         self.metrics.watch_streams(self.stream_depths, self.limits.max_sessions, self.limits.per_job)
         self.metrics.schedules_cached = registry.schedules.__len__
+        registry.schedules.set_limits(self.limits.max_schedules, self.limits.schedules_per_client)
 
     def handler(self) -> Any:
         return rpc.batch_service_handler(self.stream, self.describe)  # type: ignore[arg-type]
@@ -439,24 +485,59 @@ class BatchServicer:
         self.store_executor.shutdown(wait=False)
         self.describe_executor.shutdown(wait=False)
 
-    def abandon_late_writes(self) -> None:
-        """Stop retrying the positions ended streams could not write, naming each (on the event loop)."""
-        for (job, rank), (position, task) in list(self._late_writes.items()):
-            task.cancel()
-            log.warning(
-                "job %s rank %d: its trainer's position %s was never stored (the store did not answer "
-                "before shutdown); a trainer that restarts without its checkpoint repeats batches",
-                job,
-                rank,
-                position,
-            )
+    async def end_late_writes(self, until: float, hurried: Callable[[], bool] = lambda: False) -> None:
+        """Store what ended streams left unwritten before ``until``, then name what is not (at shutdown).
+
+        Called on the event loop once the streams have ended; ``until`` is the
+        end of the grace period on the loop's clock, ``hurried()`` says it was
+        cut short (a second signal). Every retry makes one last try at once,
+        rather than at its next time (the store may have answered again since
+        its last failure), and writes still in flight are waited for (one that
+        fails gets its last try too). Each position is logged by what became of
+        it: written at shutdown, failed at shutdown (with the store's error),
+        or still waiting for the store when the grace period ended.
+        """
+        loop = asyncio.get_running_loop()
+        self._last_tries.set()
+        while not hurried():
+            waiting: list[asyncio.Future[Any]] = [
+                late.task for late in self._late_writes.values() if late.task is not None
+            ]
+            waiting += [s.writing for s in self._in_doubt.values() if s.writing is not None]
+            left = until - loop.time()
+            if not waiting or left <= 0:
+                break
+            await asyncio.wait(waiting, timeout=min(left, 0.1))
+            await asyncio.sleep(0)  # an ended write's callbacks run: a failed one starts its last try
+        for (job, rank), late in list(self._late_writes.items()):
+            if late.task is not None:
+                late.task.cancel()
+            if late.trying:
+                log.warning(
+                    "the last write of job %s rank %d (position %s) was still waiting for the store when "
+                    "the grace period ended%s; a trainer that restarts without its checkpoint may repeat "
+                    "batches",
+                    job,
+                    rank,
+                    late.target,
+                    f" (its try before failed: {late.error})" if late.error is not None else "",
+                )
+            else:
+                log.warning(
+                    "job %s rank %d: its trainer's position %s was never stored: the grace period ended "
+                    "before a last try%s; a trainer that restarts without its checkpoint repeats batches",
+                    job,
+                    rank,
+                    late.target,
+                    f" (the try before failed: {late.error})" if late.error is not None else "",
+                )
         self._late_writes.clear()
         for (job, rank), session in list(self._in_doubt.items()):
             if session.in_doubt:
                 log.warning(
                     "job %s rank %d: its trainer's position %s may not be stored (its write was still "
-                    "waiting for the store at shutdown); a trainer that restarts without its checkpoint "
-                    "may repeat batches",
+                    "waiting for the store when the grace period ended); a trainer that restarts without "
+                    "its checkpoint may repeat batches",
                     job,
                     rank,
                     session.acked,
@@ -482,22 +563,41 @@ class BatchServicer:
         restart without a checkpoint would repeat everything since the last
         write the store took (an epoch, with a store that hung for seconds).
         A write for the same rank by a newer process is fenced, so a trainer
-        that reconnected wins.
+        that reconnected wins. At shutdown (``end_late_writes``) the retry
+        stops waiting and makes its last try at once.
         """
-        key, target = (session.job.name, session.rank), session.acked
+        key = (session.job.name, session.rank)
+        late = _LateWrite(session, session.acked)
+        target = late.target
         earlier = self._late_writes.pop(key, None)
-        if earlier is not None:
-            earlier[1].cancel()
+        if earlier is not None and earlier.task is not None:
+            earlier.task.cancel()
 
         async def retry() -> None:
             loop = asyncio.get_running_loop()
             give_up, delay = loop.time() + LATE_WRITE_S, 0.5
             try:
                 while True:
-                    await asyncio.sleep(delay)
+                    if not self._last_tries.is_set():
+                        with contextlib.suppress(TimeoutError):  # the shutdown ends the wait early
+                            await asyncio.wait_for(self._last_tries.wait(), delay)
+                    last = self._last_tries.is_set()  # the shutdown had begun when this try began
+                    late.trying = True
                     try:
                         stored = await loop.run_in_executor(self.store_executor, session.write_late, target)
                     except StoreUnavailableError as exc:
+                        late.error = exc
+                        if last:
+                            log.warning(
+                                "the last write of job %s rank %d (position %s) failed at shutdown: %s; a "
+                                "trainer that restarts without its checkpoint repeats batches",
+                                *key,
+                                target,
+                                exc,
+                            )
+                            return
+                        if self._last_tries.is_set():
+                            continue  # failed as the shutdown began: its last try, at once
                         if loop.time() + delay > give_up:
                             log.warning(
                                 "job %s rank %d: gave up storing position %s after %.0f s (%s); a trainer "
@@ -513,7 +613,15 @@ class BatchServicer:
                     except Exception:
                         log.exception("job %s rank %d: storing position %s failed", *key, target)
                         return
-                    if stored:
+                    finally:
+                        late.trying = False
+                    if stored and last:
+                        log.info(
+                            "the last write of job %s rank %d (position %s) was written at shutdown",
+                            *key,
+                            target,
+                        )
+                    elif stored:
                         log.info("job %s rank %d: position %s stored after the store came back", *key, target)
                     else:
                         log.info(
@@ -525,10 +633,11 @@ class BatchServicer:
                         )
                     return
             finally:
-                if self._late_writes.get(key, (None, None))[1] is asyncio.current_task():
+                if self._late_writes.get(key) is late:
                     del self._late_writes[key]
 
-        self._late_writes[key] = (target, asyncio.get_running_loop().create_task(retry()))
+        late.task = asyncio.get_running_loop().create_task(retry())
+        self._late_writes[key] = late
 
     def stop_streams(self) -> None:
         """Ask every open stream to end with UNAVAILABLE (call on the server's event loop)."""
@@ -545,11 +654,11 @@ class BatchServicer:
             # the store and a schedule build may take a while: off the event loop
             epoch = request.epoch if request.HasField("epoch") else None
             rank = request.rank if request.HasField("rank") else None
+            describe = functools.partial(
+                self._describe, request.job, request.world_size, epoch, rank, request.own_cursor
+            )
             job, epoch, sched = await asyncio.get_running_loop().run_in_executor(
-                self.describe_executor,
-                functools.partial(
-                    self._describe, request.job, request.world_size, epoch, rank, request.own_cursor
-                ),
+                self.describe_executor, self._as_client, _client_key(context, None), describe
             )
             return pb.JobInfo(
                 job=job.name,
@@ -570,6 +679,11 @@ class BatchServicer:
             log.exception("Describe of job %s failed", _printable(request.job))
             await self._abort(context, exc)
         raise AssertionError("unreachable")
+
+    def _as_client(self, client: str, call: Callable[[], Any]) -> Any:
+        """``call()`` here, its schedule builds counted for ``client`` (``ScheduleCache.admitting``)."""
+        with self.registry.schedules.admitting(client):
+            return call()
 
     def _describe(
         self, name: str, world_size: int, epoch: int | None, rank: int | None = None, own_cursor: bool = False
@@ -638,10 +752,15 @@ class BatchServicer:
             self._check_open(first)
             # counted before the store hears of it: a refused Open must not fence anyone
             admitted = self._admit(first.open.job, first.open.rank)
+            client = _client_key(context, first.open.client_id)
             try:
-                # store calls may wait on a lock held by another process: keep them off the event loop
-                session = await asyncio.to_thread(self._open, first)
+                # store calls may wait on a lock held by another process: keep them off the event loop;
+                # the schedules the Open has built count against its client's limits (ScheduleCache)
+                with self.registry.schedules.admitting(client):
+                    session = await asyncio.to_thread(self._open, first)
             except LadleError as exc:
+                if isinstance(exc, ScheduleLimitError):
+                    self.metrics.refused(exc.limit)
                 if exc.kind == "failed_precondition":  # a job this server cannot serve as asked: say so here
                     o = first.open
                     log.warning(
@@ -662,6 +781,10 @@ class BatchServicer:
             log.exception("stream open failed: job=%s rank=%d", _printable(first.open.job), first.open.rank)
             await self._abort(context, exc)
             return
+        # released in the finally below (no await before it): what the stream is on is never dropped
+        lease = session.lease = self.registry.schedules.lease(
+            session.job.fingerprint, session.sent.epoch, client
+        )
         key = (session.job.name, session.rank)
         for other_key, other in list(self._active.items()):
             # the stream this one replaces, and every stream of the world an elastic resize ended
@@ -673,8 +796,8 @@ class BatchServicer:
                 del self._active[other_key]
         self._active[key] = session
         late = self._late_writes.pop(key, None)
-        if late is not None:  # this stream's Open took the rank's position from its trainer
-            late[1].cancel()
+        if late is not None and late.task is not None:  # this stream's Open took the rank's position
+            late.task.cancel()
         self._in_doubt.pop(key, None)
         reader = asyncio.create_task(self._read(requests, session))
         meter = self.metrics.stream(session.job.name, session.rank)
@@ -700,6 +823,7 @@ class BatchServicer:
             gone = exc
         finally:
             reader.cancel()
+            lease.release()
             self.metrics.ended(meter)
             await session.drain()
             session.on_end = self._ended
@@ -840,9 +964,11 @@ class BatchServicer:
             except ConfigError as exc:
                 message = f"the loaded state is not a position of this job: {exc}"
                 raise CheckpointPositionError(message) from None
-        joined = job.join(o.rank)
         aligned = given is None and not o.own_cursor  # no checkpoint: the job's cursor
-        ranks = job.state().ranks if aligned else ()  # one store read for both uses below
+        # one store read for both uses below, before the join: the rank's own entry then still says
+        # when it last moved (its last_seen), which tells its earlier stream from a stale cursor
+        ranks = job.state().ranks if aligned else ()
+        joined = job.join(o.rank)
         if aligned:
             given = self._job_cursor(job, o.rank, joined, ranks)
         start = job.normalise(given if given is not None else joined.position, hot=True)
@@ -853,11 +979,19 @@ class BatchServicer:
                     stale = [k for k, v in self._aligned_starts.items() if now - v[2] >= ALIGNED_START_S]
                     for key in stale:
                         del self._aligned_starts[key]
-                self._aligned_starts[(job.name, o.rank)] = (joined.generation, start, now)
+                self._aligned_starts[(job.name, o.rank)] = (joined.generation, start, now, joined.last_seen)
             self._warn_far_behind(job, o.rank, start, ranks, first=joined.generation == 1)
         lost = self._lost_writes(o, job, joined.generation)
         if lost:
             generation = max(joined.generation, o.resume.generation + 1)
+            if generation > max(joined.generation, RESUME_CLAIM_LIMIT):  # never store what is refused later
+                raise StreamAbortedError(
+                    "invalid_argument",
+                    "bad_resume",
+                    f"Open.resume.generation must be below {RESUME_CLAIM_LIMIT} to be restored ({lost}), "
+                    f"got {o.resume.generation}",
+                    "open.resume.generation",
+                )
             joined = job.store.reconcile(job.name, o.rank, generation, start)
             log.warning(
                 "job %s rank %d: the cursor store lost recent writes (%s); reconciled from the "
@@ -939,9 +1073,16 @@ class BatchServicer:
         at the job's cursor lately if that is earlier (a rank that consumed
         micro-batches before the others came back, under gradient
         accumulation), and only within ``FAR_BEHIND_STEPS``: ranks further
-        apart do not train in step, and each keeps its own cursor.
+        apart do not train in step, and each keeps its own cursor. Such a
+        start holds this rank back only if this rank has not moved since it
+        (its ``last_seen`` in ``ranks``, read before its join, is not later):
+        a rank that streamed beside the others and comes back alone continues
+        with them, at the earliest stored position, instead of replaying the
+        epoch from where they all began.
         """
         own = job.normalise(joined.position, hot=True)
+        mine = next((r for r in ranks if r.rank == rank), None)
+        moved_at = mine.last_seen if mine is not None and mine.generation > 0 else float("-inf")
         now = time.monotonic()
         positions = []
         for r in ranks:
@@ -950,7 +1091,12 @@ class BatchServicer:
             position = job.normalise(r.position, hot=True)
             with self._aligned_lock:
                 began = self._aligned_starts.get((job.name, r.rank))
-            if began is not None and began[0] == r.generation and now - began[2] < ALIGNED_START_S:
+            if (
+                began is not None
+                and began[0] == r.generation
+                and now - began[2] < ALIGNED_START_S
+                and moved_at <= began[3]
+            ):
                 position = min(position, began[1])
             positions.append(position)
         earliest = min(positions, default=own)
@@ -1042,6 +1188,8 @@ class BatchServicer:
             if session.failure is not None:
                 return
             session.credits -= 1
+            if session.lease is not None and session.lease.epoch != position.epoch:
+                session.lease.move(position.epoch)  # the epoch it left is no longer in use
             if not job.has_schedule(position.epoch):  # building one takes a while: off the loop
                 await asyncio.to_thread(functools.partial(job.schedule, position.epoch, hot=True))
             began = time.perf_counter()

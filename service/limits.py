@@ -22,13 +22,17 @@ from .errors import ConfigError
 # in .jobs, so the command line reads its limits without importing the dataset layer (datasets,
 # pandas: a second of start-up that `ladle health` and `ladle jobs` have no use for).
 SPARE_SCHEDULES: Final = 4
+# Schedules no stream uses that Opens (and Describes) had built in the last minute, with the builds in
+# progress, a server allows; one client half of them (jobs.ScheduleCache). Beyond: RESOURCE_EXHAUSTED.
+MAX_SCHEDULES: Final = 16
 
-__all__ = ["RPC_HEADROOM", "Limits", "connection_cap"]
+__all__ = ["MAX_SCHEDULES", "RPC_HEADROOM", "SPARE_SCHEDULES", "Limits", "connection_cap"]
 
 log = logging.getLogger("ladle.server")
 
 RPC_HEADROOM: Final = 64
-"""Calls beyond ``max_sessions`` that gRPC itself admits (Describe, health checks): its backstop."""
+"""Calls of the service beyond ``max_sessions`` that ladle's call budget admits (Describe, streams
+being refused): health calls have budgets of their own (``security.CallGate``)."""
 
 _FD_RESERVE: Final = 256  # descriptors kept for the dataset, the store, HTTP and the process itself
 _MAX_CONNECTIONS_DEFAULT: Final = 4096
@@ -55,8 +59,13 @@ class Limits:
     cannot take the whole server) and ``max_connections`` to
     ``connection_cap()``. ``spare_schedules`` is how many schedules no stream
     uses the server keeps for reuse (``ScheduleCache``; each holds about 10
-    bytes a row of the dataset). Durations are seconds; ``idle_timeout_s=0`` never
-    closes an idle connection.
+    bytes a row of the dataset). ``max_schedules`` bounds the schedules that
+    Opens and Describes had built (a new world size, a new start epoch) and no
+    stream uses, for a minute after their last use, with the builds in
+    progress; ``max_schedules_per_client`` (default: half of it) bounds one
+    client's (its peer address and ``Open.client_id``). Beyond either, the
+    request is refused with RESOURCE_EXHAUSTED. Durations are seconds;
+    ``idle_timeout_s=0`` never closes an idle connection.
     """
 
     max_sessions: int = 256
@@ -69,11 +78,21 @@ class Limits:
     idle_timeout_s: float = 300.0
     handshake_timeout_s: float = 10.0
     spare_schedules: int = SPARE_SCHEDULES
+    max_schedules: int = MAX_SCHEDULES
+    max_schedules_per_client: int | None = None
     per_job: int = field(init=False)
+    schedules_per_client: int = field(init=False)
     connections: int = field(init=False)
 
     def __post_init__(self) -> None:
-        for name in ("max_sessions", "max_prefetch", "max_sessions_per_job", "max_connections"):
+        for name in (
+            "max_sessions",
+            "max_prefetch",
+            "max_sessions_per_job",
+            "max_connections",
+            "max_schedules",
+            "max_schedules_per_client",
+        ):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ConfigError(name, f"must be an integer >= 1, got {value!r}")
@@ -88,19 +107,25 @@ class Limits:
                 raise ConfigError(name, f"must be > 0 seconds, got {getattr(self, name)}")
         if not self.idle_timeout_s >= 0:
             raise ConfigError("idle_timeout_s", f"must be >= 0 seconds (0: never), got {self.idle_timeout_s}")
-        if self.max_sessions_per_job is not None and self.max_sessions_per_job > self.max_sessions:
-            raise ConfigError(
-                "max_sessions_per_job",
-                f"must be at most max_sessions ({self.max_sessions}), got {self.max_sessions_per_job}: "
-                "raise --max-sessions too",
-            )
-        per_job = self.max_sessions_per_job or max(1, self.max_sessions // 2)
-        object.__setattr__(self, "per_job", per_job)
+        object.__setattr__(self, "per_job", self._share("max_sessions_per_job", "max_sessions"))
+        object.__setattr__(
+            self, "schedules_per_client", self._share("max_schedules_per_client", "max_schedules")
+        )
         object.__setattr__(self, "connections", self.max_connections or connection_cap())
+
+    def _share(self, part: str, whole: str) -> int:
+        """The limit ``part`` of one job or client: as given (at most ``whole``), else half of ``whole``."""
+        given, total = getattr(self, part), getattr(self, whole)
+        if given is not None and given > total:
+            raise ConfigError(
+                part, f"must be at most {whole} ({total}), got {given}: raise --{whole.replace('_', '-')} too"
+            )
+        return int(given or max(1, total // 2))
 
     @property
     def max_concurrent_rpcs(self) -> int:
-        """gRPC's own cap on calls in progress: above the sessions, so ladle's clearer refusal comes first."""
+        """The budget of service calls in progress (``security.CallGate``): above the sessions, so the
+        sessions' clearer refusal comes first."""
         return self.max_sessions + RPC_HEADROOM
 
     def grpc_options(self, max_frame_bytes: int) -> list[tuple[str, int]]:

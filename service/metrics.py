@@ -59,6 +59,7 @@ METRIC_NAMES: Final = (
     "ladle_streams_open",
     "ladle_streams_limit",
     "ladle_streams_refused_total",
+    "ladle_calls_refused_total",
     "ladle_schedules_cached",
     "ladle_store_seconds",
     "ladle_errors_total",
@@ -210,6 +211,14 @@ class ServerMetrics:
             ["limit"],
             registry=self.registry,
         )
+        self.calls_refused = Counter(
+            "ladle_calls_refused",
+            "gRPC calls refused as they opened, by reason: unauthenticated (no token or a wrong one), "
+            "too_many_watches, too_many_health_calls (the budgets of calls that need no token), "
+            "too_many_calls (every other call: --max-sessions + 64)",
+            ["reason"],
+            registry=self.registry,
+        )
         self.ready = Gauge(
             "ladle_ready",
             "1 while the server is ready to serve trainers (its dataset as opened, its cursor store "
@@ -252,6 +261,11 @@ class ServerMetrics:
 
     def refused(self, limit: str) -> None:
         self.refusals.labels(limit).inc()
+
+    def call_refused(self, code: str, reason: str) -> None:
+        """A gRPC call the server refused as it opened (``CallGate``): counted by reason and by status."""
+        self.calls_refused.labels(reason).inc()
+        self.error("grpc", code)
 
     def watch_streams(self, depths: StreamDepths, limit: int = 0, limit_per_job: int = 0) -> None:
         """Report the open streams ``depths()`` lists when scraped, and the limits on them."""

@@ -3,10 +3,17 @@
 * **Tokens.** ``load_tokens`` reads ``--token-file`` (one token a line, so a
   new token can be added before the old one is removed) or ``LADLE_TOKEN``.
   ``TokenCheck`` compares a presented ``authorization`` header in constant
-  time against every accepted token. ``TokenInterceptor`` applies it to every
-  gRPC call except the standard health service, answering UNAUTHENTICATED;
-  the HTTP app applies it through a FastAPI dependency. A token is never
-  logged, put in an error, a metric or the page: only "missing" or "wrong".
+  time against every accepted token. ``CallGate`` applies it to every gRPC
+  call except the standard health service, answering UNAUTHENTICATED; the
+  HTTP app applies it through a FastAPI dependency. A token is never logged,
+  put in an error, a metric or the page: only "missing" or "wrong".
+* **Call budgets.** ``CallGate`` also counts the gRPC calls in progress in
+  three budgets: health ``Watch`` calls (``MAX_WATCHES``), other health calls
+  (``MAX_HEALTH_CALLS``), and every other call (the trainers' streams and
+  Describes: ``--max-sessions`` + 64). A call over its budget ends at once
+  with RESOURCE_EXHAUSTED (counted, logged at most once a minute), so callers
+  without a token, who may only use the health service, cannot take the
+  trainers' slots.
 * **TLS.** ``TlsFiles`` names the certificate, key and optional client CA
   (mutual TLS); ``grpc_credentials`` and ``uvicorn_options`` turn them into
   what each face needs.
@@ -18,10 +25,12 @@ from __future__ import annotations
 
 import base64
 import hmac
+import inspect
 import ipaddress
 import logging
 import os
 import ssl
+import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,13 +43,18 @@ from ladle.proto import rpc
 from .errors import ConfigError, LadleError
 
 __all__ = [
+    "MAX_HEALTH_CALLS",
+    "MAX_WATCHES",
     "MIN_TOKEN_LENGTH",
+    "REFUSAL_LOG_S",
     "TOKEN_ENV",
     "TOKEN_FILE_ENV",
     "AuthenticationError",
+    "CallBudget",
+    "CallGate",
+    "RefusalLog",
     "TlsFiles",
     "TokenCheck",
-    "TokenInterceptor",
     "check_exposure",
     "is_loopback",
     "load_tokens",
@@ -52,6 +66,16 @@ TOKEN_ENV: Final = "LADLE_TOKEN"
 TOKEN_FILE_ENV: Final = "LADLE_TOKEN_FILE"
 MIN_TOKEN_LENGTH: Final = 16
 _HEALTH_PREFIX: Final = "/grpc.health.v1.Health/"
+_WATCH: Final = _HEALTH_PREFIX + "Watch"
+MAX_WATCHES: Final = 16
+"""Health ``Watch`` calls open at once. A Watch needs no token and lasts as long as its caller keeps it;
+Kubernetes probes and ``ladle health`` use ``Check``, so only a gRPC client's own health checking
+(one Watch a channel) needs one."""
+MAX_HEALTH_CALLS: Final = 64
+"""Other health calls (``Check``) in progress at once: each answers as soon as its request comes,
+and one that sends none ends after ``--handshake-timeout``."""
+REFUSAL_LOG_S: Final = 60.0
+"""One log line per kind of refusal at most this often; the metrics count every one."""
 _MAKE_ONE = "make one with: python -c 'import secrets; print(secrets.token_urlsafe(32))'"
 
 
@@ -158,13 +182,94 @@ def _header(metadata: Iterable[tuple[str, str | bytes]] | None) -> str | bytes |
     return None
 
 
-class TokenInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
-    """Every gRPC call but the health service needs an accepted token, else UNAUTHENTICATED."""
+class RefusalLog:
+    """Logs the first refusal of each kind, then at most one line per ``every`` seconds for that kind,
+    saying how many were refused since the last line: a flood of refused calls is not a flood of lines."""
 
-    def __init__(self, check: TokenCheck, on_refused: Callable[[], None] | None = None) -> None:
+    def __init__(self, every: float = REFUSAL_LOG_S, clock: Callable[[], float] = time.monotonic) -> None:
+        self.every = every
+        self._clock = clock
+        self._kinds: dict[str, tuple[float, int]] = {}  # kind -> (when its last line was logged, held since)
+
+    def __call__(self, kind: str, level: int, message: str) -> bool:
+        """Log ``message`` unless a line of ``kind`` went out less than ``every`` s ago; True if logged."""
+        now = self._clock()
+        last = self._kinds.get(kind)
+        if last is not None and now - last[0] < self.every:
+            self._kinds[kind] = (last[0], last[1] + 1)
+            return False
+        more = ""
+        if last is not None and last[1]:
+            more = f" ({last[1]} more like it since the last such line, {now - last[0]:.0f} s ago)"
+        log.log(level, "%s%s", message, more)
+        self._kinds[kind] = (now, 0)
+        return True
+
+
+class CallBudget:
+    """At most ``limit`` calls of one kind in progress (counted on the server's event loop)."""
+
+    __slots__ = ("held", "limit", "reason", "what")
+
+    def __init__(self, what: str, limit: int, reason: str) -> None:
+        if limit < 1:
+            raise ValueError(f"a call budget is at least 1, got {limit}")
+        self.what = what  # "health Watch calls", as the refusal names them
+        self.limit = limit
+        self.reason = reason  # the ladle.v1.Error reason and the metric's label
+        self.held = 0
+
+    def __repr__(self) -> str:
+        return f"CallBudget({self.what}: {self.held}/{self.limit})"
+
+    def take(self) -> bool:
+        if self.held >= self.limit:
+            return False
+        self.held += 1
+        return True
+
+    def give(self) -> None:
+        self.held -= 1
+
+
+class CallGate(grpc.aio.ServerInterceptor):  # type: ignore[misc]
+    """Who may make a gRPC call, and how many calls of each kind may be in progress at once.
+
+    With a ``check``, every call but the health service's needs an accepted
+    token, else it ends at once with UNAUTHENTICATED (before its request is
+    read, holding nothing). Every call that passes is counted in one of three
+    budgets until it ends: health ``Watch`` calls (``max_watches``), other
+    health calls (``max_health_calls``), and every other call (``max_calls``:
+    trainers' streams and Describes). A call over its budget ends at once with
+    RESOURCE_EXHAUSTED and a ``ladle.v1.Error`` whose reason is the budget's
+    (``too_many_watches``, ``too_many_health_calls``, ``too_many_calls``).
+    ``on_refused(code, reason)`` counts each refusal (reason ``unauthenticated``
+    for a token refused); ``RefusalLog`` logs them.
+
+    Install it first (outermost), with ``grpc.aio.server(maximum_concurrent_rpcs=None)``:
+    gRPC's own limit counts every call alike, so callers without a token
+    could fill it with health calls and shut the trainers out. The interceptor
+    after it (``FirstRequestInterceptor``) makes every handler read its own
+    request, so a call is counted from the moment it opens, its wait for the
+    request included.
+    """
+
+    def __init__(
+        self,
+        check: TokenCheck | None,
+        *,
+        max_calls: int,
+        max_watches: int = MAX_WATCHES,
+        max_health_calls: int = MAX_HEALTH_CALLS,
+        on_refused: Callable[[str, str], None] | None = None,
+        refusal_log: RefusalLog | None = None,
+    ) -> None:
         self._check = check
+        self.calls = CallBudget("calls", max_calls, "too_many_calls")
+        self.watches = CallBudget("health Watch calls", max_watches, "too_many_watches")
+        self.health = CallBudget("health calls", max_health_calls, "too_many_health_calls")
         self._on_refused = on_refused
-        self.refused = 0
+        self._log = refusal_log if refusal_log is not None else RefusalLog()
 
     async def intercept_service(
         self,
@@ -172,17 +277,111 @@ class TokenInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         details: Any,
     ) -> Any:
         handler = await continuation(details)
-        if handler is None or details.method.startswith(_HEALTH_PREFIX):
-            return handler
+        if handler is None:  # no such method: gRPC answers UNIMPLEMENTED at once
+            return None
+        method = details.method
+        if method.startswith(_HEALTH_PREFIX):
+            budget = self.watches if method == _WATCH else self.health
+        else:
+            if self._check is not None:
+                try:
+                    self._check.check(_header(details.invocation_metadata))
+                except AuthenticationError as exc:
+                    self._refused("UNAUTHENTICATED", "unauthenticated")
+                    why = "missing" if str(exc).startswith("missing") else "wrong"
+                    self._log(f"token:{method}:{why}", logging.INFO, f"refused {method}: {exc}")
+                    return _refusal(handler, exc)
+            budget = self.calls
+        return _counted(handler, budget, method, self._over)
+
+    def _refused(self, code: str, reason: str) -> None:
+        if self._on_refused is not None:
+            self._on_refused(code, reason)
+
+    async def _over(self, budget: CallBudget, method: str, context: Any) -> None:
+        """End a call over ``budget`` with RESOURCE_EXHAUSTED (never returns)."""
+        self._refused("RESOURCE_EXHAUSTED", budget.reason)
+        held = f"{budget.held} {budget.what} in progress"
+        if budget is self.calls:
+            limit = "(ladle serve --max-sessions + 64)"
+            message = f"this batch server has {held}, its limit {limit}: retry with backoff"
+            why = "BatchClient retries with backoff"
+        else:
+            limit = "for calls without a token"
+            message = f"this batch server has {held}, its limit {limit}: retry later"
+            if budget is self.watches:
+                message += " (or use Check, as probes do)"
+            why = "the trainers' calls have a budget of their own"
+        self._log(
+            budget.reason,
+            logging.WARNING,
+            f"refused {method} from {_peer(context)}: {held}, the limit {limit}; {why} "
+            f"(RESOURCE_EXHAUSTED, reason {budget.reason}; one such line a minute at most)",
+        )
+        await rpc.abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, budget.reason, message)
+
+
+def _peer(context: Any) -> str:
+    try:
+        return str(context.peer())
+    except Exception:  # a test's context, a call already gone
+        return "?"
+
+
+def _counted(
+    handler: Any,
+    budget: CallBudget,
+    method: str,
+    over: Callable[[CallBudget, str, Any], Awaitable[None]],
+) -> Any:
+    """``handler`` as one that takes a slot of ``budget`` as it starts (else ``over`` ends the call)
+    and gives it back when it ends, however it ends.
+
+    The slot is taken and the ``try`` entered in one step of the coroutine:
+    grpc.aio starts a handler's coroutine as it creates it, so a call
+    cancelled at any point after that gives its slot back.
+    """
+
+    async def unary(request: Any, context: Any) -> Any:
+        behavior = handler.stream_unary if handler.request_streaming else handler.unary_unary
+        if not budget.take():
+            await over(budget, method, context)
         try:
-            self._check.check(_header(details.invocation_metadata))
-        except AuthenticationError as exc:
-            self.refused += 1
-            if self._on_refused is not None:
-                self._on_refused()
-            log.info("refused %s: %s", details.method, exc)
-            return _refusal(handler, exc)
-        return handler
+            answer = behavior(request, context)
+            return await answer if inspect.isawaitable(answer) else answer
+        finally:
+            budget.give()
+
+    async def streaming(request: Any, context: Any) -> None:
+        behavior = handler.stream_stream if handler.request_streaming else handler.unary_stream
+        if not budget.take():
+            await over(budget, method, context)
+        try:
+            # written with context.write whatever the handler's shape: grpc.aio takes a coroutine or
+            # a generator, not both in one handler
+            answer = behavior(request, context)
+            if inspect.isasyncgen(answer):
+                async for item in answer:
+                    await context.write(item)
+            elif inspect.isawaitable(answer):
+                await answer
+            elif answer is not None:  # a synchronous generator
+                for item in answer:
+                    await context.write(item)
+        finally:
+            budget.give()
+
+    make = {
+        (False, False): grpc.unary_unary_rpc_method_handler,
+        (False, True): grpc.unary_stream_rpc_method_handler,
+        (True, False): grpc.stream_unary_rpc_method_handler,
+        (True, True): grpc.stream_stream_rpc_method_handler,
+    }[(bool(handler.request_streaming), bool(handler.response_streaming))]
+    return make(
+        streaming if handler.response_streaming else unary,
+        request_deserializer=handler.request_deserializer,
+        response_serializer=handler.response_serializer,
+    )
 
 
 def _refusal(handler: Any, exc: AuthenticationError) -> Any:

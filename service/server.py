@@ -43,7 +43,7 @@ from .limits import Limits
 from .metrics import ServerMetrics, TimedStore
 from .readiness import STORE_ANSWER_S, Readiness
 from .schedule import ScheduleConfig
-from .security import TlsFiles, TokenCheck, TokenInterceptor, check_exposure
+from .security import CallGate, TlsFiles, TokenCheck, check_exposure
 from .store import DEFAULT_JOB_TTL_S, CursorStore, open_store
 
 __all__ = ["DEFAULT_STATE", "BatchServer", "serve_forever"]
@@ -240,17 +240,17 @@ class BatchServer:
         # taken port would bind it silently and the kernel would spread trainers over
         # both; without it the second server fails to start instead.
         options = [*self.limits.grpc_options(self._servicer.max_frame_bytes), ("grpc.so_reuseport", 0)]
+        # The gate first: the token, then a budget of calls in progress for each kind of call (health
+        # Watch, other health calls, the rest: --max-sessions + 64), counted from the moment a call
+        # opens. No maximum_concurrent_rpcs: gRPC's own limit counts every call alike, and health
+        # Watch calls, which need no token and stay open, filled it and shut every trainer and probe out.
+        gate = CallGate(
+            self.token, max_calls=self.limits.max_concurrent_rpcs, on_refused=self.metrics.call_refused
+        )
         # unary-request calls read their request within the handshake timeout, and parse it here
-        interceptors: list[Any] = [FirstRequestInterceptor(self.limits.handshake_timeout_s)]
-        if self.token is not None:
-            metrics = self.metrics
-            interceptors.append(
-                TokenInterceptor(self.token, lambda: metrics.error("grpc", "UNAUTHENTICATED"))
-            )
+        interceptors: list[Any] = [gate, FirstRequestInterceptor(self.limits.handshake_timeout_s)]
         self._server = grpc.aio.server(
-            options=options,
-            maximum_concurrent_rpcs=self.limits.max_concurrent_rpcs,
-            interceptors=interceptors,
+            options=options, maximum_concurrent_rpcs=None, interceptors=interceptors
         )
         self._server.add_generic_rpc_handlers((self._servicer.handler(),))
         self._health = health.aio.HealthServicer()
@@ -303,6 +303,7 @@ class BatchServer:
                 )
 
     async def _stop(self, grace: float) -> None:
+        until = asyncio.get_running_loop().time() + grace  # the late cursor writes' last tries end then too
         if self._health is not None:
             await self._health.enter_graceful_shutdown()
         if self._servicer is not None:
@@ -311,7 +312,7 @@ class BatchServer:
             self._grpc_stopping = True
             await self._server.stop(0 if self._hurry else grace)
         if self._servicer is not None:
-            self._servicer.abandon_late_writes()
+            await self._servicer.end_late_writes(until, lambda: self._hurry)
 
     async def _stop_now(self) -> None:
         # grpc.aio honours a second stop(): stop(0) cancels the calls a running stop(grace) waits for

@@ -9,6 +9,7 @@ between threads. Each must keep exactly-once delivery or fail clearly.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import gc
 import itertools
@@ -252,7 +253,8 @@ def test_a_fenced_client_stays_fenced(module_server: Any) -> None:
     assert later == [first + 1, first + 2, first + 3], (
         "the replacing process was fenced by the old one's retry"
     )
-    old.close()
+    with pytest.raises(FencedError):
+        old.close()
     new.close()
 
 
@@ -661,7 +663,8 @@ def test_the_server_logs_why_each_stream_ended(server_factory: Server) -> None:
     new = BatchClient(0, 1, server.address, "taken", timeout=30)
     steps(new, 1)
     new.close()
-    old.close()
+    with pytest.raises(FencedError):  # its close() reads the stream's end: replaced
+        old.close()
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         log = server.log_tail()
@@ -794,6 +797,33 @@ def test_a_ddp_group_restarted_without_checkpoints_starts_at_one_step(
         assert got[0] == got[1], "the ranks do not have the same steps to the epoch's end"
 
 
+def test_a_rank_restarted_alone_continues_where_the_store_has_it(server_factory: Server) -> None:
+    """Two ranks read 30 batches in step; rank 0 closes and comes back without a checkpoint while
+    rank 1 reads on. It got step 0 again (rank 1's stream had begun at 0:0 within 120 s, and that
+    start held rank 0 back), and the warning said the store held no later position of it."""
+    server = server_factory()
+    job = "alone"
+    first = BatchClient(0, 2, server.address, job, timeout=30)
+    other = BatchClient(1, 2, server.address, job, timeout=30)
+    try:
+        mine, theirs = iter(first), iter(other)
+        for _ in range(30):  # in step, as DDP runs them
+            next(mine)
+            next(theirs)
+        first.close()
+        time.sleep(0.3)  # the acknowledgements reach the store (written within 50 ms)
+        with BatchClient(0, 2, server.address, job, timeout=30) as back:
+            got = steps(back, 2)
+        # step 29 was in its hands when it closed (not consumed): the store holds 0:29 for it
+        assert got == [29, 30], f"rank 0 restarted without a checkpoint replayed from step {got[0]}"
+        assert next(theirs).step == 30, "rank 1 did not read on"
+    finally:
+        first.close()
+        other.close()
+    log = (server.workdir / "server.log").read_text(errors="replace")
+    assert "the store holds no later position of it" not in log, server.log_tail()
+
+
 def test_own_cursor_keeps_a_ranks_own_position(server_factory: Server, tmp_path: Path) -> None:
     """Ranks that do not train in step keep exact per-rank resume; a rank behind the others is not moved."""
     server = server_factory()
@@ -920,7 +950,143 @@ def test_a_fenced_process_gets_no_more_batches_from_its_window(module_server: An
             with pytest.raises(FencedError):
                 next(batches)
     finally:
-        old.close()
+        with contextlib.suppress(FencedError):  # fenced: its close() says so too
+            old.close()
+
+
+def wait_for_fence(client: BatchClient) -> None:
+    """Until the stream's end (FAILED_PRECONDITION, fenced) has reached the client's reader thread."""
+    deadline = time.monotonic() + 20
+    while client._stream is None or client._stream.fenced is None:
+        assert time.monotonic() < deadline, "the fence never reached the replaced client"
+        time.sleep(0.01)
+
+
+def test_a_replaced_client_neither_checkpoints_nor_closes_cleanly(module_server: Any) -> None:
+    """Once the fence had reached it, a replaced client's state_dict() and close() still succeeded
+    (only next() raised): a stale process resumed with SIGCONT trained on and checkpointed, able to
+    overwrite the newer process's checkpoint. Now every call raises FencedError, state_dict() even
+    before next() has met the fence behind the batches still queued."""
+    old = BatchClient(0, 1, module_server.address, "fenced-state", prefetch=4, timeout=30)
+    try:
+        batches = iter(old)
+        assert [next(batches).step for _ in range(3)] == [0, 1, 2]  # 0 and 1 consumed, 2 held
+        time.sleep(0.2)  # its acknowledgement reaches the store
+        with BatchClient(0, 1, module_server.address, "fenced-state", timeout=30) as new:
+            assert steps(new, 1) == [2], "the newer process did not take over at the stored cursor"
+            wait_for_fence(old)
+            assert old._stream is not None
+            assert old._stream.buffered() > 1, "no batch was queued ahead of the fence"
+            with pytest.raises(FencedError, match="replaced"):
+                old.state_dict()
+            with pytest.raises(FencedError, match="replaced"):
+                next(batches)  # none of the batches queued ahead of the fence
+            for call in (old.state_dict, old.close, old.close, old.state_dict, lambda: next(iter(old))):
+                with pytest.raises(FencedError, match="replaced"):
+                    call()
+            assert steps(new, 2) == [3, 4], "the replaced client took its rank back"
+    finally:
+        with contextlib.suppress(FencedError):
+            old.close()
+
+
+def test_a_replaced_client_learns_of_the_fence_when_it_closes(module_server: Any) -> None:
+    """Replaced while it held a batch and before its reader saw the fence: its close(), which reads the
+    stream's end, raises FencedError, and so does a ``with`` block that ends without an error."""
+    with (  # noqa: PT012 - the block's end raises it
+        pytest.raises(FencedError, match="replaced"),
+        BatchClient(0, 1, module_server.address, "fenced-close", timeout=30) as old,
+    ):
+        assert steps(old, 2) == [0, 1]
+        with BatchClient(0, 1, module_server.address, "fenced-close", timeout=30) as new:
+            steps(new, 1)
+    with pytest.raises(FencedError, match="replaced"):
+        old.state_dict()
+
+
+# A trainer that checkpoints after every step; each step (after its batch arrived) waits for a line on
+# stdin, so the test decides when the step ends and freezes the process in the middle of one.
+_STEPPED_TRAINER = """
+import json, os, sys
+from ladle.client import BatchClient, FencedError
+address, job, checkpoint = sys.argv[1:4]
+try:
+    with BatchClient(0, 1, address, job, timeout=30, prefetch=4) as client:
+        for batch in client:
+            print("training", batch.step, flush=True)
+            sys.stdin.readline()  # the training step
+            state = client.state_dict()
+            with open(checkpoint + ".tmp", "w") as out:
+                json.dump(state, out)
+            os.replace(checkpoint + ".tmp", checkpoint)
+            print("checkpoint", state["step"], flush=True)
+except FencedError as exc:
+    print("fenced:", exc, flush=True)
+    sys.exit(3)
+"""
+
+
+def test_a_trainer_resumed_after_it_was_replaced_writes_no_checkpoint(
+    module_server: Any, tmp_path: Path
+) -> None:
+    """A trainer frozen (SIGSTOP) in a training step was replaced, then continued (SIGCONT): its
+    stream's end (fenced) had reached it, yet state_dict() returned its position, and it wrote one
+    more checkpoint (able to overwrite the newer process's) before next() raised FencedError."""
+    import queue as queue_module
+
+    job, checkpoint = "frozen", tmp_path / "frozen.json"
+    trainer = subprocess.Popen(
+        [sys.executable, "-c", _STEPPED_TRAINER, module_server.address, job, str(checkpoint)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    lines: queue_module.SimpleQueue[str] = queue_module.SimpleQueue()
+    assert trainer.stdin is not None
+    assert trainer.stdout is not None
+    stdout = trainer.stdout
+
+    def read() -> None:
+        for line in stdout:
+            lines.put(line)
+
+    threading.Thread(target=read, daemon=True).start()
+
+    def said(expected: str) -> None:
+        line = lines.get(timeout=30).strip()
+        assert line == expected, f"the trainer said {line!r}, not {expected!r}"
+
+    try:
+        for step in range(3):
+            said(f"training {step}")
+            trainer.stdin.write("\n")
+            trainer.stdin.flush()
+            said(f"checkpoint {step + 1}")
+        said("training 3")  # in its step, with batches 4.. queued behind it
+        time.sleep(0.3)  # its acknowledgement of step 2 reaches the store
+        trainer.send_signal(signal.SIGSTOP)
+        before = checkpoint.read_text()
+        with BatchClient(0, 1, module_server.address, job, timeout=30) as new:
+            assert steps(new, 1) == [3], "the newer process did not take over at the stored cursor"
+            deadline, ended = time.monotonic() + 20, rf"stream end: job={job} rank=0 generation=1 .*fenced"
+            while not re.search(ended, module_server.log_tail()):  # its stream's end was sent
+                assert time.monotonic() < deadline, module_server.log_tail()
+                time.sleep(0.02)
+            trainer.send_signal(signal.SIGCONT)
+            time.sleep(1.0)  # the stream's end, waiting in its socket, reaches its reader thread
+            trainer.stdin.write("\n")  # the step ends: it checkpoints
+            trainer.stdin.flush()
+            line = lines.get(timeout=30).strip()
+            assert line.startswith("fenced: "), f"the replaced trainer went on: {line!r}"
+            assert trainer.wait(timeout=30) == 3
+            assert steps(new, 2) == [4, 5], "the replaced trainer took its rank back"
+        assert checkpoint.read_text() == before, "the replaced trainer wrote a checkpoint"
+    finally:
+        if trainer.poll() is None:
+            trainer.send_signal(signal.SIGCONT)
+            trainer.kill()
+            trainer.wait(timeout=30)
 
 
 def test_a_resized_jobs_checkpoint_after_the_store_and_server_forgot_the_job(

@@ -103,6 +103,8 @@ def test_a_job_of_another_world_size(server_factory: Factory, small_dataset: Pat
         for _ in range(4):
             next(it)
         state = two.state_dict()
+    with BatchClient(1, 2, server.address, "resized", timeout=30) as other:
+        consume(other, 4)  # a resize at rank 0's checkpoint is refused while a rank's cursor is behind it
     with BatchClient(0, 3, server.address, "resized", timeout=30) as plain:
         with pytest.raises(BatchClientError, match="has 2 ranks and this client 3") as info:
             len(plain)

@@ -771,6 +771,56 @@ def test_a_server_stopped_while_a_last_write_waits_names_the_position(
     assert "job in-doubt rank 0" in lines[0], lines[0]
 
 
+@pytest.mark.parametrize("store_answers", [True, False], ids=["store-back", "store-refusing"])
+def test_a_position_left_unwritten_gets_a_last_try_at_shutdown(
+    redis_server_factory: Callable[..., Any], server_factory: Factory, store_answers: bool
+) -> None:
+    """A stream ended with its last position refused by Redis (full: OOM), and the server was stopped
+    while the retry waited for its next try: it dropped the position without a try and logged that
+    "the store did not answer", though Redis had taken writes again 0.4 s before. Now the retry makes
+    its last try at once, within the grace period, and the log says what became of it."""
+    from ladle.service.store import open_store
+    from ladle.service.store.base import Position
+
+    redis = redis_server_factory()
+    server = server_factory(extra=["--redis-url", redis.url, "--grace", "5"])
+    with redis.client() as plain:
+        with BatchClient(0, 1, server.address, "last-try", timeout=30) as client:
+            batches = iter(client)
+            for _ in range(3):
+                next(batches)  # steps 0 and 1 consumed, 2 held
+            time.sleep(0.3)  # stored (every 50 ms)
+            plain.config_set("maxmemory", "1")  # noeviction: every write is refused at once (OOM)
+            next(batches)  # step 2 consumed: its acknowledgement's write is refused, the stream ends
+            deadline = time.monotonic() + 20
+            while "stream end: job=last-try" not in server.log_tail():
+                assert time.monotonic() < deadline, server.log_tail()
+                time.sleep(0.02)
+        # the retry tries 0.5 s and 1.5 s after the stream's end, then 3.5 s after it: stopped between
+        time.sleep(1.9)
+        if store_answers:
+            plain.config_set("maxmemory", "0")
+        assert server.stop() == 0
+        plain.config_set("maxmemory", "0")
+    log = whole_log(server)
+    assert "did not answer" not in log, log[-3000:]
+    store = open_store(redis_url=redis.url, state_path="unused", job_ttl_s=0)
+    try:
+        stored = store.get("last-try").ranks[0].position
+    finally:
+        store.close()
+    target = "job last-try rank 0 (position Position(epoch=0, step=3))"
+    if store_answers:
+        assert stored == Position(0, 3), f"the position was not stored at shutdown: {log[-3000:]}"
+        assert f"the last write of {target} was written at shutdown" in log, log[-3000:]
+    else:
+        assert stored == Position(0, 2), stored
+        line = next(
+            (x for x in log.splitlines() if f"the last write of {target} failed at shutdown" in x), ""
+        )
+        assert "maxmemory" in line, f"the log does not say how the last try failed: {log[-3000:]}"
+
+
 def test_readiness_answers_within_a_second_while_redis_hangs(
     redis_server_factory: Callable[..., Any], server_factory: Factory
 ) -> None:

@@ -13,10 +13,11 @@ import os
 import ssl
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from ladle.client import AuthenticationError, BatchClient, ServerUnavailableError
 from ladle.proto import rpc
+from ladle.service.security import MAX_WATCHES
 from tests.support.certs import Pki, make_pki, openssl_available
 
 from .test_serving import check_rank_stream, consume, reference
@@ -35,6 +37,8 @@ TOKEN = "tok-" + "A1b2C3d4E5f6G7h8I9j0-secret"
 OTHER = "tok-" + "Z9y8X7w6V5u4T3s2R1q0-wrong!"
 
 Factory = Callable[..., Any]
+# one connection per channel (grpc shares one between channels with equal options otherwise)
+OWN_CONNECTION = [("grpc.use_local_subchannel_pool", 1)]
 
 
 @pytest.fixture(scope="module")
@@ -359,3 +363,129 @@ def test_a_server_without_a_token_ignores_an_authorization_header(module_server:
         with pytest.raises(grpc.RpcError) as info:
             client.describe("no-such-job", timeout=10)
         assert info.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+# --- calls without a token hold nothing the trainers need -------------------------
+
+
+def _reason(error: grpc.RpcError) -> tuple[str, str]:
+    """(status code name, ladle reason or "") a call ended with."""
+    details = rpc.error_details(error.trailing_metadata())
+    return error.code().name, details.reason if details is not None else ""
+
+
+def test_health_watches_without_a_token_cannot_shut_the_trainers_out(
+    server_factory: Factory, token_file: Path
+) -> None:
+    """More open health Watch calls (no token needed, they never end) than gRPC's old call limit
+    (--max-sessions + 64) admitted: beyond MAX_WATCHES each is refused at once, the probes' Check
+    answers, a trainer with the token reads, and the refusals are counted and logged once."""
+    sessions = 2
+    count = sessions + 64 + 50
+    server = server_factory(["--token-file", str(token_file), "--max-sessions", str(sessions)])
+    channels = [grpc.insecure_channel(server.address, options=OWN_CONNECTION) for _ in range(4)]
+    calls: list[Any] = []
+    try:
+        for i in range(count):
+            stub = health_pb2_grpc.HealthStub(channels[i % len(channels)])
+            calls.append(stub.Watch(health_pb2.HealthCheckRequest(service=""), timeout=120))
+        watching, refusals = 0, []
+        for call in calls:
+            try:
+                assert next(call).status == health_pb2.HealthCheckResponse.SERVING
+                watching += 1
+            except grpc.RpcError as exc:
+                refusals.append(_reason(exc))
+        # with every Watch still open: the probes' Check, for the process and for the service
+        with grpc.insecure_channel(server.address) as channel:
+            for service in ("", rpc.SERVICE):
+                answer = health_pb2_grpc.HealthStub(channel).Check(
+                    health_pb2.HealthCheckRequest(service=service), timeout=10
+                )
+                assert answer.status == health_pb2.HealthCheckResponse.SERVING, service
+        # and a trainer with the token reads its batches
+        with BatchClient(0, 1, server.address, "sec-watch-flood", token=TOKEN, timeout=30) as client:
+            assert len(consume(client, limit=20)) == 20
+            assert client.reconnects == 0
+        assert watching == MAX_WATCHES, f"{watching} Watch calls of {count} stayed open"
+        assert set(refusals) == {("RESOURCE_EXHAUSTED", "too_many_watches")}, set(refusals)
+        status, _, body = http_get(server.http_url + "/metrics", bearer(TOKEN))
+        assert status == 200
+        text = body.decode()
+        assert f'ladle_calls_refused_total{{reason="too_many_watches"}} {count - MAX_WATCHES}.0' in text
+        assert 'ladle_errors_total{code="RESOURCE_EXHAUSTED",face="grpc"}' in text
+    finally:
+        for call in calls:
+            call.cancel()
+    try:
+        # the cancelled Watches gave their slots back
+        deadline = time.monotonic() + 20
+        while True:
+            again = health_pb2_grpc.HealthStub(channels[0]).Watch(health_pb2.HealthCheckRequest(), timeout=10)
+            try:
+                assert next(again).status == health_pb2.HealthCheckResponse.SERVING
+                break
+            except grpc.RpcError:
+                assert time.monotonic() < deadline, "the Watch slots were not given back"
+                time.sleep(0.1)
+            finally:
+                again.cancel()
+    finally:
+        for channel in channels:
+            channel.close()
+    server.stop()
+    lines = [
+        line
+        for line in (server.workdir / "server.log").read_text().splitlines()
+        if "too_many_watches" in line
+    ]
+    assert 1 <= len(lines) <= 3, f"{len(lines)} log lines for {count - MAX_WATCHES} refused Watch calls"
+    assert "Watch" in lines[0]
+    assert "limit" in lines[0]
+
+
+def test_a_trainer_waits_out_a_server_at_its_call_limit(server_factory: Factory, token_file: Path) -> None:
+    """Every call slot held (--max-sessions + 64 authenticated calls that send nothing until the
+    handshake timeout ends them): the trainer's stream is refused RESOURCE_EXHAUSTED
+    (too_many_calls), backs off and gets in once they end, instead of failing at once."""
+    server = server_factory(
+        ["--token-file", str(token_file), "--max-sessions", "1", "--handshake-timeout", "3"]
+    )
+    quiet = threading.Event()
+
+    def nothing() -> Iterator[bytes]:
+        quiet.wait(60)
+        yield from ()
+
+    auth = [("authorization", f"Bearer {TOKEN}")]
+    with grpc.insecure_channel(server.address) as channel:
+        try:
+            silent = [
+                channel.stream_unary(rpc.DESCRIBE_METHOD).future(nothing(), timeout=60, metadata=auth)
+                for _ in range(1 + 64)
+            ]
+            # the server is full once one more call is refused
+            stub = rpc.BatchServiceClient(channel, auth)
+            deadline = time.monotonic() + 10
+            while True:
+                try:
+                    stub.describe("sec-busy", timeout=10, world_size=1)
+                except grpc.RpcError as exc:
+                    if exc.code() is grpc.StatusCode.RESOURCE_EXHAUSTED:
+                        break
+                    raise
+                assert time.monotonic() < deadline, "the silent calls did not fill the server"
+                time.sleep(0.05)
+            began = time.monotonic()
+            with BatchClient(0, 1, server.address, "sec-busy", token=TOKEN, timeout=30) as client:
+                assert len(consume(client, limit=5)) == 5
+                assert client.reconnects >= 1, "the client was never refused"
+            assert time.monotonic() - began < 20
+            assert {_reason(call.exception(timeout=30)) for call in silent} == {
+                ("DEADLINE_EXCEEDED", "no_request")
+            }
+        finally:
+            quiet.set()
+    status, _, body = http_get(server.http_url + "/metrics", bearer(TOKEN))
+    assert status == 200
+    assert 'ladle_calls_refused_total{reason="too_many_calls"}' in body.decode()

@@ -1,17 +1,20 @@
-"""BatchClient without a server: the Batch it makes per batch, and which reader it picks."""
+"""BatchClient without a server: the Batch it makes, the reader it picks, the errors it retries."""
 
 from __future__ import annotations
 
 import dataclasses
+import time
+from typing import Any
 
 import grpc
 import numpy as np
 import pytest
 
-from ladle.client import Batch, BatchClient, _direct
+from ladle.client import Batch, BatchClient, BatchClientError, ServerUnavailableError, _direct
 from ladle.client import client as client_module
 from ladle.client._device import converter
-from ladle.proto import codec
+from ladle.proto import codec, rpc
+from ladle.proto import ladle_pb2 as pb
 
 from .test_proto import make_frame
 
@@ -110,3 +113,114 @@ def test_a_batch_moved_or_pickled_carries_no_device_hook() -> None:
     assert batch.to("cpu")._ready is None
     assert pickle.loads(pickle.dumps(batch))._ready is None
     assert np.array_equal(batch.to("cpu").attention_mask.numpy(), np.asarray(batch.attention_mask))
+
+
+class _Refused(grpc.RpcError):  # type: ignore[misc]
+    """A call's status as grpcio raises it: a code, details and trailing metadata."""
+
+    def __init__(self, code: grpc.StatusCode, message: str, reason: str | None = None) -> None:
+        super().__init__(message)
+        self._code, self._message = code, message
+        error = pb.Error(code=code.name, reason=reason, message=message) if reason is not None else None
+        self._trailers = rpc.error_trailer(error) if error is not None else ()
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._message
+
+    def trailing_metadata(self) -> Any:
+        return self._trailers
+
+
+class _BusyStub:
+    """A server that refuses the first ``refusals`` Describes with ``error``, then answers."""
+
+    def __init__(self, error: _Refused, refusals: int) -> None:
+        self.error, self.left, self.calls = error, refusals, 0
+
+    def describe(self, job: str, timeout: float | None = None, **_: Any) -> pb.JobInfo:
+        self.calls += 1
+        if self.left > 0:
+            self.left -= 1
+            raise self.error
+        return pb.JobInfo(job=job, world_size=1, steps_per_epoch=7)
+
+
+_BUSY = [
+    (
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        "this batch server has 65 calls in progress, its limit (ladle serve --max-sessions + 64)",
+        "too_many_calls",
+    ),
+    (grpc.StatusCode.RESOURCE_EXHAUSTED, "Concurrent RPC limit exceeded!", None),  # grpcio's own limit
+]
+
+
+@pytest.mark.parametrize(("code", "message", "reason"), _BUSY)
+def test_a_server_at_its_call_limit_is_retried_with_backoff(
+    monkeypatch: pytest.MonkeyPatch, code: grpc.StatusCode, message: str, reason: str | None
+) -> None:
+    """RESOURCE_EXHAUSTED for the calls in progress passes: the client backs off and tries again
+    within its timeout, as for UNAVAILABLE, instead of failing at once."""
+    stub = _BusyStub(_Refused(code, message, reason), refusals=3)
+    slept: list[float] = []
+    client = BatchClient(0, 1, "127.0.0.1:1", "busy", timeout=30)
+    monkeypatch.setattr(client, "_connect", lambda deadline: stub)
+    monkeypatch.setattr(time, "sleep", slept.append)
+    try:
+        assert client._describe(0).steps_per_epoch == 7
+        assert stub.calls == 4
+        assert slept == [0.05, 0.1, 0.2], "not the client's backoff"
+        error = client._map_error(_Refused(code, message, reason))
+        assert isinstance(error, ServerUnavailableError)
+        assert error.code == "RESOURCE_EXHAUSTED"
+    finally:
+        monkeypatch.undo()
+        client.close()
+
+
+def test_a_server_busy_past_the_timeout_fails_with_its_reason(monkeypatch: pytest.MonkeyPatch) -> None:
+    now = [1000.0]
+    stub = _BusyStub(_Refused(*_BUSY[0]), refusals=10**6)
+    client = BatchClient(0, 1, "127.0.0.1:1", "busy", timeout=5)
+    monkeypatch.setattr(client, "_connect", lambda deadline: stub)
+    monkeypatch.setattr(time, "monotonic", lambda: now[0])
+    monkeypatch.setattr(time, "sleep", lambda s: now.__setitem__(0, now[0] + s))
+    try:
+        with pytest.raises(ServerUnavailableError, match="calls in progress") as info:
+            client._describe(0)
+    finally:
+        monkeypatch.undo()
+        client.close()
+    assert info.value.code == "RESOURCE_EXHAUSTED"
+    # 0.05 + 0.1 + ... + 1.6 s of backoff; the next wait (2 s) would pass the 5 s timeout
+    assert now[0] - 1000.0 == pytest.approx(3.15), "the retries did not stay within the timeout"
+    assert stub.calls == 7
+
+
+@pytest.mark.parametrize(
+    ("message", "reason"),
+    [
+        ("this batch server already serves 8 trainer sessions", "too_many_sessions"),
+        ("Received message larger than max (5123 vs. 4096)", None),
+    ],
+)
+def test_other_resource_exhausted_answers_fail_at_once(
+    monkeypatch: pytest.MonkeyPatch, message: str, reason: str | None
+) -> None:
+    """Sessions all taken, a request over the size limit: retrying does not help, so no retry."""
+    stub = _BusyStub(_Refused(grpc.StatusCode.RESOURCE_EXHAUSTED, message, reason), refusals=1)
+    client = BatchClient(0, 1, "127.0.0.1:1", "busy", timeout=30)
+    monkeypatch.setattr(client, "_connect", lambda deadline: stub)
+    monkeypatch.setattr(time, "sleep", lambda s: pytest.fail("retried"))
+    try:
+        with pytest.raises(BatchClientError) as info:
+            client._describe(0)
+    finally:
+        monkeypatch.undo()
+        client.close()
+    assert not isinstance(info.value, ServerUnavailableError)
+    assert info.value.code == "RESOURCE_EXHAUSTED"
+    assert stub.calls == 1

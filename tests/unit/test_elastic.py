@@ -7,14 +7,23 @@ epoch every row is delivered exactly once, or dropped and reported.
 
 from __future__ import annotations
 
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Iterator
+from types import SimpleNamespace
+
 import numpy as np
 import numpy.typing as npt
 import pytest
-from hypothesis import given
+from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
-from ladle.service.jobs import plan_schedule, schedule_fingerprint
-from ladle.service.schedule import ScheduleConfig, build_schedule
+from ladle.service.errors import CheckpointMismatchError
+from ladle.service.jobs import JobRegistry, plan_schedule, schedule_fingerprint
+from ladle.service.schedule import Schedule, ScheduleConfig, build_schedule
+from ladle.service.store import EmbeddedStore
 from ladle.service.store.base import Position, Resize, resize_start
 
 EPOCH = 1
@@ -133,3 +142,176 @@ def test_rows_before_checks_its_input() -> None:
     assert np.array_equal(
         np.sort(sched.rows_before(np.array([10**6, 10**6]))), np.sort(sched.scheduled_rows())
     )
+
+
+# --- a resize at a checkpoint's position, against the stored cursors -------------------------
+# Four trainers stopped at steps 894-917 and three resumed from rank 0's checkpoint at step 900:
+# the resize was cut at 900 for every old rank, and old rank 1's batches 894-899 (its stored cursor
+# said it never acknowledged them) were lost without a word. A stored cursor behind the checkpoint
+# now refuses the resize, naming the ranks (JobRegistry._resize says why neither cut is safe).
+
+LENGTHS = np.random.default_rng(3).integers(1, 300, 1500).astype(np.int64)
+CONFIG = config_for("mixed", "split")
+
+
+@pytest.fixture(scope="module")
+def registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[JobRegistry]:
+    root = tmp_path_factory.mktemp("elastic")
+    dataset = SimpleNamespace(lengths=LENGTHS, fingerprint="ds", path=str(root), num_rows=len(LENGTHS))
+    with EmbeddedStore(root / "state.db") as store:
+        yield JobRegistry(dataset, CONFIG, store)  # type: ignore[arg-type]
+
+
+_names = itertools.count()
+
+
+def stopped_world(registry: JobRegistry, cursors: list[Position | None]) -> tuple[str, str]:
+    """A new job whose rank r stopped at ``cursors[r]`` (None: never joined); its name and fingerprint."""
+    name = f"job-{next(_names)}"
+    fingerprint = registry.open(name, len(cursors)).fingerprint
+    for rank, cursor in enumerate(cursors):
+        if cursor is not None:
+            generation = registry.store.join(name, rank, len(cursors)).generation
+            registry.store.advance(name, rank, generation, cursor)
+    return name, fingerprint
+
+
+def served_once(old: Schedule, steps: list[int], plan: tuple[Resize, ...], size: int) -> None:
+    """The old world's batches before ``steps`` and the re-planned rest hold every row once (or dropped)."""
+    rest = plan_schedule(LENGTHS, CONFIG, 0, size, plan)
+    rows = np.concatenate([old.rows_before(np.array(steps)), rest.scheduled_rows()])
+    assert len(np.unique(rows)) == len(rows), "a row is served twice in the epoch"
+    union = np.sort(np.concatenate([rows, rest.dropped.rows]))
+    assert np.array_equal(union, np.arange(len(LENGTHS))), "a row is lost (neither served nor dropped)"
+
+
+def test_a_rank_behind_the_checkpoint_refuses_the_resize_and_names_it(
+    registry: JobRegistry, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(registry, "RESIZE_SETTLE_S", 0.2)
+    s = 40  # the checkpoint's step; old rank 1 stopped 6 steps before it, the others after it
+    steps = [s + 3, s - 6, s + 17, s + 5]
+    name, fingerprint = stopped_world(registry, [Position(0, p) for p in steps])
+    before = registry.store.get(name)
+    with (
+        caplog.at_level(logging.WARNING, logger="ladle.server"),
+        pytest.raises(CheckpointMismatchError) as info,
+    ):
+        registry.open(name, 3, elastic=True, checkpoint=(Position(0, s), fingerprint))
+    message = str(info.value)
+    assert f"rank 1 (batches 0:{s - 6} up to 0:{s})" in message, message
+    assert [r for r in range(4) if f"rank {r} (" in message] == [1], message
+    assert "the job is unchanged" in message, message
+    assert f"at or before 0:{s - 6}" in message, message
+    assert f"rank 1 (batches 0:{s - 6} up to 0:{s})" in caplog.text, "the refusal is not logged"
+    after = registry.store.get(name)
+    assert (after.spec, after.plan, [r.position for r in after.ranks]) == (
+        before.spec,
+        before.plan,
+        [r.position for r in before.ranks],
+    ), "a refused resize changed the job"
+
+    # started without the checkpoint's position, the cut is each rank's stored cursor: old rank 1's
+    # batches 34-39 are in the re-plan, and every row of the epoch is served once
+    registry.open(name, 3, elastic=True)
+    state = registry.store.get(name)
+    assert state.plan == (Resize(4, tuple(Position(0, p) for p in steps)),)
+    served_once(build_schedule(LENGTHS, CONFIG, epoch=0, world_size=4), steps, state.plan, 3)
+
+
+def test_cursors_past_the_checkpoint_are_cut_there_and_logged(
+    registry: JobRegistry, caplog: pytest.LogCaptureFixture
+) -> None:
+    s = 40
+    steps = [s + 3, s, s + 17, s + 5]
+    name, fingerprint = stopped_world(registry, [Position(0, p) for p in steps])
+    with caplog.at_level(logging.WARNING, logger="ladle.server"):
+        registry.open(name, 3, elastic=True, checkpoint=(Position(0, s), fingerprint))
+    state = registry.store.get(name)
+    assert state.plan == (Resize(4, (Position(0, s),) * 4),)
+    assert [r.position for r in state.ranks] == [Position(0, 0)] * 3
+    served_once(build_schedule(LENGTHS, CONFIG, epoch=0, world_size=4), [s] * 4, state.plan, 3)
+    warned = [r.getMessage() for r in caplog.records if "past the checkpoint" in r.getMessage()]
+    assert len(warned) == 1, caplog.text
+    for rank, step in ((0, s + 3), (2, s + 17), (3, s + 5)):
+        assert f"rank {rank} (batches 0:{s} up to 0:{step})" in warned[0], warned[0]
+    assert "rank 1 " not in warned[0], "a rank at the checkpoint disagrees with nothing"
+
+
+def test_a_cursor_write_on_its_way_is_waited_for(registry: JobRegistry) -> None:
+    """The old world's last acknowledgements reach the store just after the new world's first Open."""
+    s = 40
+    name, fingerprint = stopped_world(registry, [Position(0, s), Position(0, s - 1)])
+    generation = registry.store.get(name).ranks[1].generation
+
+    def late() -> None:
+        time.sleep(0.2)
+        registry.store.advance(name, 1, generation, Position(0, s))
+
+    writer = threading.Thread(target=late)
+    writer.start()
+    try:
+        registry.open(name, 3, elastic=True, checkpoint=(Position(0, s), fingerprint))
+    finally:
+        writer.join()
+    assert registry.store.get(name).plan == (Resize(2, (Position(0, s),) * 2),)
+
+
+def test_a_rank_no_trainer_joined_is_refused_at_once(
+    registry: JobRegistry, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(registry, "RESIZE_SETTLE_S", 30.0)  # nothing is on its way for it: no wait
+    name, fingerprint = stopped_world(registry, [Position(0, 4), None])
+    began = time.monotonic()
+    with pytest.raises(
+        CheckpointMismatchError, match=r"rank 1 \(batches 0:0 up to 0:4, a rank no trainer ever"
+    ):
+        registry.open(name, 3, elastic=True, checkpoint=(Position(0, 4), fingerprint))
+    assert time.monotonic() - began < 10
+
+
+@st.composite
+def stopped_worlds(draw: st.DrawFn) -> tuple[int, int, list[Position | None], Position]:
+    """An old world's stored cursors (None: never joined), a checkpoint's position, a new size."""
+    old = draw(st.integers(1, 6))
+    new = draw(st.integers(1, 7).filter(lambda n: n != old))
+    end = build_schedule(LENGTHS, CONFIG, epoch=0, world_size=old).num_steps
+    # cursors near the checkpoint, on an epoch's end ((0, end) is (1, 0)) or in the next epoch
+    position = st.one_of(
+        st.builds(Position, st.just(0), st.integers(0, end)),
+        st.builds(Position, st.just(1), st.integers(0, 3)),
+    )
+    cursors = draw(st.lists(st.one_of(st.none(), position), min_size=old, max_size=old))
+    checkpoint = draw(st.builds(Position, st.just(0), st.integers(0, end)))
+    return old, new, cursors, checkpoint
+
+
+@settings(max_examples=60, deadline=None)
+@given(stopped_worlds())
+def test_a_checkpoint_resize_serves_every_row_once_or_names_the_ranks_behind(
+    registry: JobRegistry, case: tuple[int, int, list[Position | None], Position]
+) -> None:
+    old_size, new_size, cursors, checkpoint = case
+    old = build_schedule(LENGTHS, CONFIG, epoch=0, world_size=old_size)
+
+    def normal(p: Position) -> Position:
+        return Position(1, 0) if p == Position(0, old.num_steps) else p
+
+    at = normal(checkpoint)
+    behind = [r for r, c in enumerate(cursors) if normal(c or Position(0, 0)) < at]
+    name, fingerprint = stopped_world(registry, cursors)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(registry, "RESIZE_SETTLE_S", 0.0)
+        event("refused" if behind else "resized")
+        if behind:
+            with pytest.raises(CheckpointMismatchError) as info:
+                registry.open(name, new_size, elastic=True, checkpoint=(checkpoint, fingerprint))
+            named = [r for r in range(old_size) if f"rank {r} (" in str(info.value)]
+            assert named == behind[:8], str(info.value)
+            assert registry.store.get(name).spec.world_size == old_size, "a refused resize changed the job"
+            return
+        registry.open(name, new_size, elastic=True, checkpoint=(checkpoint, fingerprint))
+    state = registry.store.get(name)
+    assert state.plan == (Resize(old_size, (at,) * old_size),)
+    if at.epoch == 0:  # the checkpoint's model has the old world's batches before it, the new world the rest
+        served_once(old, [at.step] * old_size, state.plan, new_size)

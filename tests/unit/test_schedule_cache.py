@@ -4,6 +4,9 @@ A long-lived server sees job after job; each schedule of a 10M-row dataset
 holds about 100 MB. The cache keeps what streams use and a few more, shares
 one schedule between jobs that follow it, and builds for the HTTP face one at
 a time, refusing requests beyond a short queue with a 503 and Retry-After.
+Builds for Opens and Describes count against a limit per client and one per
+server (RESOURCE_EXHAUSTED beyond), what open streams are on never does, and
+dropped schedules' memory goes back to the operating system.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from ladle.service import jobs
-from ladle.service.errors import ScheduleBusyError
+from ladle.service.errors import JobNotFoundError, ScheduleBusyError, ScheduleLimitError
 from ladle.service.http import Inspector, create_app
 from ladle.service.jobs import JobRegistry, ScheduleCache
 from ladle.service.metrics import ServerMetrics
@@ -266,3 +269,190 @@ def test_the_registry_remembers_a_bounded_number_of_jobs(
     assert again is not first
     assert (again.fingerprint, again.incarnation) == (first.fingerprint, first.incarnation)
     assert len(registry._jobs) == 3
+
+
+# ------------------------------------------------------------------ limits on builds for requests
+
+
+def test_builds_for_requests_are_bounded_per_client_and_per_server() -> None:
+    """A client opening new world sizes holds ``per_client`` schedules, all of them ``most``; then refused."""
+    clock, log = Clock(), list[Any]()
+    cache = ScheduleCache(spare=1, hot_s=60, most=4, per_client=2, clock=clock)
+    build = made(log)
+
+    def ask(client: str, key: tuple[str, int]) -> Any:
+        with cache.admitting(client):
+            return cache.get(key, build(key), hot=True)
+
+    ask("a", ("a", 0))
+    ask("a", ("a", 1))
+    with pytest.raises(ScheduleLimitError) as mine:
+        ask("a", ("a", 2))
+    assert (mine.value.kind, mine.value.reason) == ("resource_exhausted", "too_many_schedules_per_client")
+    assert "client a already holds 2 schedules" in str(mine.value)
+    assert "--max-schedules-per-client) is 2" in str(mine.value)
+    assert 0 < mine.value.retry_after <= 60
+    assert ask("a", ("a", 0)).key == ("a", 0), "a kept schedule is no build: never refused"
+    ask("b", ("b", 0))  # another client is not starved by the first
+    ask("c", ("c", 0))
+    with pytest.raises(ScheduleLimitError) as full:
+        ask("d", ("d", 0))
+    assert full.value.reason == "too_many_schedules"
+    assert "--max-schedules) is 4" in str(full.value)
+    assert ("a", 2) not in log, "a refused build ran"
+    assert ("d", 0) not in log, "a refused build ran"
+    clock.now += 61  # aged: no longer kept for a trainer to come back to
+    ask("d", ("d", 0))
+    ask("d", ("d", 1))
+    assert len(cache) == 2 + 1, "beyond the recent ones, more than the spare one kept"
+
+
+def test_what_streams_are_on_is_never_dropped_nor_counted() -> None:
+    clock, log = Clock(), list[Any]()
+    cache = ScheduleCache(spare=0, hot_s=60, most=2, per_client=2, clock=clock)
+    build = made(log)
+    with cache.admitting("trainer"):
+        streamed = cache.get(("job", 0), build(("job", 0)), hot=True)
+    lease = cache.lease("job", 0, "trainer")
+    cache.get(("job", 1), build(("job", 1)), hot=True)  # Job.warm: the next epoch, prepared ahead
+    for i in range(2):  # the limit is all the others'
+        with cache.admitting("other"):
+            cache.get(("other", i), build(("other", i)), hot=True)
+    clock.now += 3600  # an epoch of an hour, its stream paused on a full window: no use at all
+    assert len(cache) == 2, "the epoch a stream is on (and the next) were dropped, or idle ones kept"
+    assert cache.cached(("job", 0), hot=False) is streamed
+    lease.move(1)  # the stream reached epoch 1: epoch 0 is left behind, idle
+    assert len(cache) == 1
+    assert not cache.has(("job", 0)), "an epoch every stream moved past is still kept (no spare)"
+    assert cache.has(("job", 1))
+    lease.release()  # the trainer went: its epoch is kept for it to come back, and counted
+    lease.release()  # (twice is once)
+    assert cache.has(("job", 1))
+    with cache.admitting("trainer"):
+        cache.get(("job", 5), build(("job", 5)), hot=True)
+    clock.now += 61
+    assert len(cache) == 0, "nothing in use, nothing recent, no spare: nothing kept"
+
+
+def test_a_stream_own_builds_are_never_refused_and_what_is_kept_stays_bounded() -> None:
+    """Epochs a stream reaches (outside ``admitting``) are built whatever the limits; ``most`` are kept."""
+    clock, log = Clock(), list[Any]()
+    cache = ScheduleCache(spare=1, hot_s=60, most=3, per_client=2, clock=clock)
+    build = made(log)
+    with cache.admitting("a"):
+        cache.get(("a", 0), build(("a", 0)), hot=True)
+        cache.get(("a", 1), build(("a", 1)), hot=True)
+    with cache.admitting("b"):
+        cache.get(("b", 0), build(("b", 0)), hot=True)
+    leases = [cache.lease("s", 0), cache.lease("t", 0)]
+    for epoch in range(1, 30):  # two streams race through short epochs, then end
+        for lease in leases:
+            cache.get((lease.fingerprint, epoch), build((lease.fingerprint, epoch)), hot=True)
+            lease.move(epoch)
+    for lease in leases:
+        lease.release()
+    assert len(log) == 3 + 2 * 29, "a stream's build was refused"
+    kept = [key for key in log if cache.has(key)]
+    assert len(kept) <= 3 + 1, f"kept {kept}: more than the limit and the spare one"
+    assert cache.has(("b", 0)), "the client with the most claimed schedules loses one first"
+
+
+def test_a_build_in_progress_counts_and_the_others_wait_for_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    cache = ScheduleCache(spare=0, most=2, per_client=1)
+    release, started = threading.Event(), threading.Event()
+
+    def slow() -> Any:
+        started.set()
+        release.wait(30)
+        return "slow"
+
+    results: dict[str, Any] = {}
+
+    def ask(client: str, key: tuple[str, int], make: Any) -> None:
+        with cache.admitting(client):
+            try:
+                results[f"{client}{key[1]}"] = cache.get(key, make, hot=True)
+            except ScheduleLimitError as exc:
+                results[f"{client}{key[1]}"] = exc
+
+    first = threading.Thread(target=ask, args=("a", ("a", 0), slow))
+    first.start()
+    assert started.wait(10)
+    ask("a", ("a", 1), lambda: "twice")  # its own build in progress counts against its limit
+    assert isinstance(results["a1"], ScheduleLimitError)
+    assert results["a1"].reason == "too_many_schedules_per_client"
+    ask("b", ("b", 0), lambda: "b")  # 1 building + 1 claimed: the server's limit
+    assert results["b0"] == "b"
+    monkeypatch.setattr(jobs, "BUILD_WAIT_S", 0.2)
+    ask("c", ("c", 0), lambda: "c")
+    assert isinstance(results["c0"], ScheduleLimitError), "a build beyond the limit ran"
+    assert results["c0"].reason == "too_many_schedules"
+    monkeypatch.setattr(jobs, "BUILD_WAIT_S", 30.0)
+    waiting = threading.Thread(target=ask, args=("d", ("d", 0), lambda: "d"))
+    waiting.start()  # a crowd reconnecting: it waits for the build in progress ...
+    time.sleep(0.3)
+    assert "d0" not in results, "it neither waited nor was refused"
+    lease = cache.lease("a", 0, "a")  # ... which its stream then uses: no longer counted
+    release.set()
+    first.join(30)
+    waiting.join(30)
+    assert results["a0"] == "slow"
+    assert results["d0"] == "d", results["d0"]
+    lease.release()
+
+
+def test_a_refused_world_size_stores_no_job(tmp_path: Path) -> None:
+    lengths = (np.arange(4000, dtype=np.int64) * 37) % 128 + 1
+    dataset = SimpleNamespace(lengths=lengths, fingerprint="ds", path=str(tmp_path), num_rows=len(lengths))
+    store = EmbeddedStore(tmp_path / "state.db")
+    registry = JobRegistry(dataset, CONFIG, store, max_schedules=2, schedules_per_client=1)  # type: ignore[arg-type]
+    with registry.schedules.admitting("churner"):
+        registry.open("w2", 2)
+        with pytest.raises(ScheduleLimitError):
+            registry.open("w3", 3)
+        registry.open("also-w2", 2)  # its schedule is built: no build, no refusal
+    with pytest.raises(JobNotFoundError):
+        store.get("w3")
+    assert registry.get("w3") is None
+    assert store.get("also-w2").spec.world_size == 2
+    with registry.schedules.admitting("someone-else"):
+        registry.open("w3", 3)
+
+
+def test_dropped_schedules_give_their_memory_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    """glibc keeps freed memory in its arenas (the churn left RSS at its peak): dropping trims it."""
+    trims: list[int] = []
+    trimmed = threading.Event()
+
+    def trim(pad: int) -> int:
+        trims.append(pad)
+        trimmed.set()
+        return 1
+
+    monkeypatch.setattr(jobs, "_malloc_trim", lambda: trim)
+    clock = Clock()
+    cache = ScheduleCache(spare=1, hot_s=60, clock=clock)
+    cache.get(("a", 0), lambda: np.ones(1 << 20), hot=False)  # type: ignore[arg-type,return-value]
+    assert not trimmed.wait(0.2), "trimmed with nothing dropped"
+    cache.get(("a", 1), lambda: np.ones(1 << 20), hot=False)  # type: ignore[arg-type,return-value]
+    assert trimmed.wait(10), "a schedule was dropped and its memory not given back"
+    assert trims[0] == 0
+
+
+def test_the_limits_on_schedules_are_serve_options() -> None:
+    from ladle.service.cli import build_parser, limits_from_args
+    from ladle.service.errors import ConfigError
+    from ladle.service.limits import Limits
+
+    assert (Limits().max_schedules, Limits().schedules_per_client) == (16, 8)
+    args = build_parser().parse_args(
+        ["serve", "ds", "--max-schedules", "40", "--max-schedules-per-client", "30"]
+    )
+    limits = limits_from_args(args)
+    assert (limits.max_schedules, limits.schedules_per_client) == (40, 30)
+    with pytest.raises(
+        ConfigError, match=r"max_schedules_per_client.*at most max_schedules \(4\).*--max-schedules"
+    ):
+        Limits(max_schedules=4, max_schedules_per_client=5)
+    with pytest.raises(ConfigError, match="max_schedules"):
+        Limits(max_schedules=0)

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from ladle.service.errors import ConfigError
 from ladle.service.security import (
     AuthenticationError,
+    RefusalLog,
     TlsFiles,
     TokenCheck,
     check_exposure,
@@ -190,3 +191,22 @@ def test_tls_files_are_checked_at_start_up(tmp_path: Path) -> None:
     assert files.grpc_credentials() is not None
     with pytest.raises(ConfigError, match="cannot use"):
         TlsFiles.from_options(pki.server_cert, pki.client_key)  # a key of another certificate
+
+
+def test_refusals_are_logged_once_a_minute_with_the_count_held_back(caplog: pytest.LogCaptureFixture) -> None:
+    """A flood of refused calls is one log line a minute per kind, the next line saying how many."""
+    now = [1000.0]
+    refusals = RefusalLog(every=60.0, clock=lambda: now[0])
+    with caplog.at_level(logging.INFO, logger="ladle.security"):
+        logged = [refusals("too_many_watches", logging.WARNING, "refused Watch") for _ in range(500)]
+        assert logged == [True] + [False] * 499
+        assert refusals("token:/ladle.v1.BatchService/Stream:missing", logging.INFO, "refused Stream")
+        now[0] += 61
+        assert refusals("too_many_watches", logging.WARNING, "refused Watch")
+        assert not refusals("too_many_watches", logging.WARNING, "refused Watch")
+    lines = [(r.levelno, r.getMessage()) for r in caplog.records if r.name == "ladle.security"]
+    assert lines == [
+        (logging.WARNING, "refused Watch"),
+        (logging.INFO, "refused Stream"),
+        (logging.WARNING, "refused Watch (499 more like it since the last such line, 61 s ago)"),
+    ]
