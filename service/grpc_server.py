@@ -53,17 +53,29 @@ from .jobs import Job, JobRegistry, ScheduleLease
 from .limits import Limits
 from .metrics import ServerMetrics, StreamMeter
 from .schedule import Schedule
+from .start import (
+    ALIGNED_START_S,
+    RESUME_CLAIM_LIMIT,
+    AlignedStart,
+    HotPositions,
+    Opening,
+    Resume,
+    StartDecision,
+    decide_start,
+)
 from .store.base import MAX_INDEX, Position, RankState
 
-__all__ = ["ACK_FLUSH_SECONDS", "STORE_WRITERS", "BatchServicer", "StreamAbortedError", "status_of"]
+__all__ = [
+    "ACK_FLUSH_SECONDS",
+    "RESUME_CLAIM_LIMIT",
+    "RESUME_GENERATION_LIMIT",
+    "STORE_WRITERS",
+    "BatchServicer",
+    "StreamAbortedError",
+    "status_of",
+]
 
 log = logging.getLogger("ladle.server")
-# a rank with no checkpoint that starts further than this behind another is named in a warning, and
-# ranks further apart than this are not a DDP group in step: each keeps its own cursor
-FAR_BEHIND_STEPS = 64
-# how long the start of a stream begun at the job's cursor counts for the ranks that join after it
-ALIGNED_START_S = 120.0
-
 ACK_FLUSH_SECONDS = 0.05
 # Threads that write streams' cursors to the store (each stream has at most one write in flight).
 STORE_WRITERS = 16
@@ -78,10 +90,7 @@ LATE_WRITE_MAX_DELAY_S = 5.0
 # A reconnecting client's Resume.generation at most (checked before the join): the generation of its
 # last StreamStart, and one is issued per stream opened
 RESUME_GENERATION_LIMIT = 2**32
-# A Resume.generation the store lost is written back (one more, for the new stream), and every later join
-# adds one: only a claim below this is, so that 2**31 joins pass before a trainer of the rank would
-# reconnect with a generation at RESUME_GENERATION_LIMIT (and be refused after every restart)
-RESUME_CLAIM_LIMIT = 2**31
+# (RESUME_CLAIM_LIMIT, in .start: the largest Resume.generation a store that lost it is given back)
 # Longest error message sent back: the status details and the trailer both carry it, and
 # a client refuses response headers and trailers over 16 KiB or so.
 _MAX_MESSAGE_CHARS = 2000
@@ -450,7 +459,6 @@ class BatchServicer:
         # sessions admitted whose Open is still with the store (off the loop), by (job, rank)
         self._opening: dict[tuple[str, int], int] = {}
         self._stopping = False
-        # (job, rank) -> (generation, start, monotonic time) of streams begun at the job's cursor
         # (job, rank) -> (generation, start, monotonic time, store time of the join) of streams begun
         # at the job's cursor
         self._aligned_starts: dict[tuple[str, int], tuple[int, Position, float, float]] = {}
@@ -721,11 +729,9 @@ class BatchServicer:
         current = min(r.position.epoch for r in state.ranks) if state.ranks else 0
         at = current if epoch is None else epoch
         mine = next((r for r in state.ranks if r.rank == rank), None) if epoch is None else None
-        if mine is not None:
-            start = job.normalise(mine.position, hot=True)
-            if not own_cursor:  # the job's cursor when a rank is just behind this one, as Open would
-                start = self._job_cursor(job, mine.rank, mine, state.ranks, quiet=True) or start
-            at = start.epoch
+        if mine is not None:  # where Open would start it (the job's cursor unless own_cursor), nothing joined
+            opening = Opening(job.name, mine.rank, own_cursor=own_cursor)
+            at = self._decide(job, opening, mine, state.ranks, describe=True).start.epoch
         return job, at, job.schedule(at, hot=at == current)
 
     # --- Stream ---
@@ -924,8 +930,52 @@ class BatchServicer:
             raise StreamAbortedError("unavailable", "shutting_down", "the batch server is shutting down")
 
     def _open(self, first: pb.StreamRequest) -> _Session:
-        """Join the job in the store and position the rank (``first`` passed ``_check_open``)."""
+        """Join the job in the store and position the rank (``first`` passed ``_check_open``).
+
+        The store calls and refusals are here; where the rank starts is ``decide_start``'s.
+        """
         o = first.open
+        job, given = self._claim(o)
+        resume = Resume(o.resume.generation, o.resume.incarnation) if o.HasField("resume") else None
+        opening = Opening(job.name, o.rank, given, o.own_cursor, resume)
+        # a start at the job's cursor reads the job's ranks before the join: the rank's own entry then
+        # still says when it last moved (its last_seen), which tells its earlier stream from a stale cursor
+        ranks = job.state().ranks if opening.aligned else ()
+        joined = job.join(o.rank)
+        decision = self._decide(job, opening, joined, ranks)
+        start = decision.start
+        if decision.aligned:
+            self._remember_aligned(job.name, o.rank, joined, start)
+        for note in decision.notes:
+            log.log(note.level, "%s", note.message)
+        if decision.refusal:
+            raise StreamAbortedError(
+                "invalid_argument", "bad_resume", decision.refusal, "open.resume.generation"
+            )
+        if decision.reconcile is not None:
+            joined = job.store.reconcile(job.name, o.rank, decision.reconcile.generation, start)
+            log.log(decision.reconcile.note.level, "%s", decision.reconcile.note.message)
+        elif decision.rewind:
+            joined = job.store.rewind(job.name, o.rank, joined.generation, start)
+        log.info(
+            "stream open: job=%s rank=%d/%d generation=%d start=%s client=%s",
+            job.name,
+            o.rank,
+            o.world_size,
+            joined.generation,
+            start,
+            _printable(o.client_id) or "-",
+        )
+        session = _Session(
+            job, o.rank, joined.generation, start, o.prefetch, self.ack_flush_s, self.store_executor
+        )
+        session.stored = joined.position
+        return session
+
+    def _claim(self, o: pb.Open) -> tuple[Job, Position | None]:
+        """The job (opened, resized if elastic) and the position the Open's checkpoint claims in it
+        (across a resize, normalised; None without one), or the refusal: all before the join, which
+        would fence the rank's running process."""
         given = Position(o.start.epoch, o.start.step) if o.HasField("start") else None
         checkpoint = None
         if given is not None and o.HasField("schedule_fingerprint"):
@@ -958,177 +1008,51 @@ class BatchServicer:
                     "open.schedule_fingerprint",
                 )
             given = moved  # a checkpoint of the world before an elastic resize, taken at its cut
-        if given is not None:  # checked before the join, which would fence the rank's running process
+        if given is not None:
             try:
                 given = job.normalise(given, hot=True)
             except ConfigError as exc:
                 message = f"the loaded state is not a position of this job: {exc}"
                 raise CheckpointPositionError(message) from None
-        aligned = given is None and not o.own_cursor  # no checkpoint: the job's cursor
-        # one store read for both uses below, before the join: the rank's own entry then still says
-        # when it last moved (its last_seen), which tells its earlier stream from a stale cursor
-        ranks = job.state().ranks if aligned else ()
-        joined = job.join(o.rank)
-        if aligned:
-            given = self._job_cursor(job, o.rank, joined, ranks)
-        start = job.normalise(given if given is not None else joined.position, hot=True)
-        if aligned:
-            now = time.monotonic()
-            with self._aligned_lock:
-                if len(self._aligned_starts) > 10_000:  # bounded by use: entries are read for minutes
-                    stale = [k for k, v in self._aligned_starts.items() if now - v[2] >= ALIGNED_START_S]
-                    for key in stale:
-                        del self._aligned_starts[key]
-                self._aligned_starts[(job.name, o.rank)] = (joined.generation, start, now, joined.last_seen)
-            self._warn_far_behind(job, o.rank, start, ranks, first=joined.generation == 1)
-        lost = self._lost_writes(o, job, joined.generation)
-        if lost:
-            generation = max(joined.generation, o.resume.generation + 1)
-            if generation > max(joined.generation, RESUME_CLAIM_LIMIT):  # never store what is refused later
-                raise StreamAbortedError(
-                    "invalid_argument",
-                    "bad_resume",
-                    f"Open.resume.generation must be below {RESUME_CLAIM_LIMIT} to be restored ({lost}), "
-                    f"got {o.resume.generation}",
-                    "open.resume.generation",
-                )
-            joined = job.store.reconcile(job.name, o.rank, generation, start)
-            log.warning(
-                "job %s rank %d: the cursor store lost recent writes (%s); reconciled from the "
-                "reconnecting trainer's position %s, generation %d",
-                job.name,
-                o.rank,
-                lost,
-                start,
-                generation,
-            )
-        elif given is not None:
-            joined = job.store.rewind(job.name, o.rank, joined.generation, start)
-        log.info(
-            "stream open: job=%s rank=%d/%d generation=%d start=%s client=%s",
-            job.name,
-            o.rank,
-            o.world_size,
-            joined.generation,
-            start,
-            _printable(o.client_id) or "-",
-        )
-        session = _Session(
-            job, o.rank, joined.generation, start, o.prefetch, self.ack_flush_s, self.store_executor
-        )
-        session.stored = joined.position
-        return session
+        return job, given
 
-    @staticmethod
-    def _steps_apart(job: Job, behind: Position, ahead: Position) -> int:
-        """Steps from ``behind`` to ``ahead`` (normalised, ``behind <= ahead``); past one epoch, a bound."""
-        if ahead.epoch == behind.epoch:
-            return ahead.step - behind.step
-        if ahead.epoch == behind.epoch + 1:
-            return job.steps(behind.epoch, hot=True) - behind.step + ahead.step
-        return FAR_BEHIND_STEPS * 1_000_000  # epochs apart: far, whatever their lengths
-
-    def _warn_far_behind(
-        self, job: Job, rank: int, start: Position, ranks: Sequence[RankState], *, first: bool
-    ) -> None:
-        """Say so when a rank with no checkpoint starts far behind another (the store lost its
-        position, or a job expired while one rank was away): it replays what that rank trained.
-
-        ``first``: the store had no record of this rank (its first start, or one the store lost).
-        """
-        ahead = [(job.normalise(r.position, hot=True), r.rank) for r in ranks if r.rank != rank]
-        if not ahead:
-            return
-        lead, leader = max(ahead)
-        if lead > start and self._steps_apart(job, start, lead) > FAR_BEHIND_STEPS:
-            why = (
-                "the store had no record of this rank (its first start, or a store that lost its data)"
-                if first
-                else "the store holds no later position of it (lost, or never written)"
-            )
-            log.warning(
-                "job %s rank %d starts at %s with no checkpoint, behind rank %d at %s: %s; if it trained "
-                "before, resume it with load_state_dict from its checkpoint",
-                job.name,
-                rank,
-                start,
-                leader,
-                lead,
-                why,
-            )
-
-    def _job_cursor(
-        self, job: Job, rank: int, joined: RankState, ranks: Sequence[RankState], *, quiet: bool = False
-    ) -> Position | None:
-        """Where a rank with no checkpoint starts when another rank of the job is just behind it, else None.
-
-        That is the job's cursor, the earliest position of its ranks: a DDP job
-        restarted without a checkpoint (torchrun kills and restarts every rank)
-        has its ranks a step or two apart, and each continuing at its own
-        cursor would leave them unequal steps to the epoch's end, where the
-        ranks with more would hang in their last collective (docs/product.md
-        guarantee 2). The ranks ahead get again what they consumed beyond it.
-        Counted: ranks that have joined (a rank no trainer ever opened is at
-        0:0 and says nothing), each at the start of a stream this server began
-        at the job's cursor lately if that is earlier (a rank that consumed
-        micro-batches before the others came back, under gradient
-        accumulation), and only within ``FAR_BEHIND_STEPS``: ranks further
-        apart do not train in step, and each keeps its own cursor. Such a
-        start holds this rank back only if this rank has not moved since it
-        (its ``last_seen`` in ``ranks``, read before its join, is not later):
-        a rank that streamed beside the others and comes back alone continues
-        with them, at the earliest stored position, instead of replaying the
-        epoch from where they all began.
-        """
-        own = job.normalise(joined.position, hot=True)
-        mine = next((r for r in ranks if r.rank == rank), None)
-        moved_at = mine.last_seen if mine is not None and mine.generation > 0 else float("-inf")
+    def _decide(
+        self,
+        job: Job,
+        opening: Opening,
+        joined: RankState,
+        ranks: Sequence[RankState],
+        *,
+        describe: bool = False,
+    ) -> StartDecision:
+        """``decide_start`` with the other ranks' recent starts at the job's cursor this server began."""
         now = time.monotonic()
-        positions = []
-        for r in ranks:
-            if r.rank == rank or r.generation == 0:
-                continue
-            position = job.normalise(r.position, hot=True)
-            with self._aligned_lock:
+        aligned_starts = {}
+        with self._aligned_lock:
+            for r in ranks:
                 began = self._aligned_starts.get((job.name, r.rank))
-            if (
-                began is not None
-                and began[0] == r.generation
-                and now - began[2] < ALIGNED_START_S
-                and moved_at <= began[3]
-            ):
-                position = min(position, began[1])
-            positions.append(position)
-        earliest = min(positions, default=own)
-        if earliest >= own or self._steps_apart(job, earliest, own) > FAR_BEHIND_STEPS:
-            return None
-        if quiet:  # Describe asking where it would start: nothing starts
-            return earliest
-        log.info(
-            "job %s rank %d: no checkpoint, so it starts at the job's cursor %s (the earliest rank's), "
-            "not at its own %s, as every rank restarted without one does: the batches between are "
-            "served to it again (BatchClient(own_cursor=True) keeps a rank's own cursor)",
-            job.name,
-            rank,
-            earliest,
-            own,
+                if r.rank != opening.rank and began is not None:
+                    generation, start, at, store_time = began
+                    aligned_starts[r.rank] = AlignedStart(generation, start, now - at, store_time)
+        return decide_start(
+            opening,
+            joined=joined,
+            ranks=ranks,
+            aligned_starts=aligned_starts,
+            incarnation=job.incarnation,
+            positions=HotPositions(job),
+            describe=describe,
         )
-        return earliest
 
-    @staticmethod
-    def _lost_writes(o: pb.Open, job: Job, generation: int) -> str:
-        """Why a reconnecting client shows that the store lost writes ('' if it does not)."""
-        if not o.HasField("resume"):
-            return ""
-        if o.resume.incarnation and o.resume.incarnation != job.incarnation:
-            return f"the job is incarnation {job.incarnation}, the trainer knew {o.resume.incarnation}"
-        if generation <= o.resume.generation:
-            return (
-                f"the trainer reconnecting held generation {o.resume.generation}, and the store gave the "
-                f"new stream {generation}, not a newer one: it forgot the trainer's join (a Redis restarted "
-                "without its data)"
-            )
-        return ""
+    def _remember_aligned(self, name: str, rank: int, joined: RankState, start: Position) -> None:
+        """Remember a stream begun at the job's cursor, for the ranks that join after it (``_decide``)."""
+        now = time.monotonic()
+        with self._aligned_lock:
+            if len(self._aligned_starts) > 10_000:  # bounded by use: entries are read for minutes
+                stale = [k for k, v in self._aligned_starts.items() if now - v[2] >= ALIGNED_START_S]
+                for key in stale:
+                    del self._aligned_starts[key]
+            self._aligned_starts[(name, rank)] = (joined.generation, start, now, joined.last_seen)
 
     async def _read(self, requests: AsyncIterator[pb.StreamRequest], session: _Session) -> None:
         """Apply the client's Acks and Credits until its half of the stream ends."""
