@@ -58,14 +58,37 @@ static const Kind IDS_WIRE = {'i', 4}, MASK_WIRE = {'i', 1};
 
 static int same_kind(Kind a, Kind b) { return a.sign == b.sign && a.size == b.size; }
 
-static int parse_kind(const char *text, Kind *kind) {
-    if ((text[0] == 'i' || text[0] == 'u') && text[1] && strchr("1248", text[1]) && !text[2]) {
+/* A mask kind may also be 'l' (a signed `labels` column: the mask is 1 where the label is not -100, the
+   Hugging Face convention) or 'a' (no mask column: every token carries loss; the chunks given are the
+   ids', so the size is theirs). Neither can hold a value outside the wire's int8. */
+static int parse_kind(const char *text, Kind *kind, int mask) {
+    int sign_ok = text[0] == 'i' || text[0] == 'u' || (mask && (text[0] == 'l' || text[0] == 'a'));
+    if (sign_ok && text[1] && strchr("1248", text[1]) && !text[2]) {
         kind->sign = text[0];
         kind->size = text[1] - '0';
         return 0;
     }
-    PyErr_Format(PyExc_ValueError, "build: a column kind is 'i' or 'u' and 1, 2, 4 or 8, got '%.20s'", text);
+    PyErr_Format(PyExc_ValueError,
+                 "build: a column kind is 'i' or 'u' (a mask's also 'l' or 'a') and 1, 2, 4 or 8, got '%.20s'",
+                 text);
     return -1;
+}
+
+#define LABELS_TO_MASK(SRC_T)                                                                 \
+    for (Py_ssize_t i = 0; i < n; i++) {                                                      \
+        SRC_T v;                                                                              \
+        memcpy(&v, src + i * (Py_ssize_t)sizeof(SRC_T), sizeof(SRC_T));                       \
+        dst[i] = (char)(v != -100);                                                           \
+    }
+
+/* n labels of `size` bytes at src as n mask bytes: 0 where the label is -100 (no loss), else 1. */
+VECTORIZED static void labels_to_mask(char *dst, const char *src, int size, Py_ssize_t n) {
+    switch (size) {
+        case 1: LABELS_TO_MASK(int8_t) break;
+        case 2: LABELS_TO_MASK(int16_t) break;
+        case 4: LABELS_TO_MASK(int32_t) break;
+        default: LABELS_TO_MASK(int64_t) break;
+    }
 }
 
 /* n values of `kind` at src written to dst as DST_T; sets bad when one lies outside [LO, HI]
@@ -238,6 +261,7 @@ static PyObject *copy_frame(const char *head, Py_ssize_t head_len, const char *g
         const char *src = (const char *)ids_src[ic[r]].buf + ia[r] * ids_size;
         for (Py_ssize_t o = 0; o < n[r] * ids_size; o += PREFETCH_STRIDE) PREFETCH(src + o);
         if (n[r]) PREFETCH(src + n[r] * ids_size - 1); /* the last page, when the slice starts late in one */
+        if (mask_kind.sign == 'a') continue; /* no mask read: its "chunks" are the ids' */
         const char *msrc = (const char *)mask_src[mc[r]].buf + ma[r] * mask_size;
         for (Py_ssize_t o = 0; o < n[r] * mask_size; o += PREFETCH_STRIDE) PREFETCH(msrc + o);
         if (n[r]) PREFETCH(msrc + n[r] * mask_size - 1);
@@ -269,7 +293,11 @@ static PyObject *copy_frame(const char *head, Py_ssize_t head_len, const char *g
     at += 4 * rows;
     for (Py_ssize_t r = 0; r < rows; r++) {
         const char *msrc = (const char *)mask_src[mc[r]].buf + ma[r] * mask_size;
-        if (mask_copied) {
+        if (mask_kind.sign == 'a') {
+            memset(at, 1, (size_t)n[r]);
+        } else if (mask_kind.sign == 'l') {
+            labels_to_mask(at, msrc, mask_size, n[r]);
+        } else if (mask_copied) {
             memcpy(at, msrc, (size_t)n[r]);
         } else if (narrow(at, msrc, mask_kind, n[r], 0) && bad_mask < 0) {
             bad_mask = r;
@@ -604,7 +632,8 @@ static int take_rows(PyObject *obj, Py_buffer *view) {
  * anything the checked path would refuse (Assembler.frame then takes that path, which names what
  * is wrong); the bytes are the checked path's (tested). The kinds name the chunks' integer type
  * ("i4" ids and "i1" masks by default, copied as they are; any other is converted, and a value
- * outside the wire's int32 or int8 raises OverflowError).
+ * outside the wire's int32 or int8 raises OverflowError). A mask kind "l<size>" reads a labels
+ * column (mask 1 where the label is not -100), "a<size>" writes ones (pass the ids' chunks).
  */
 static PyObject *build(PyObject *self, PyObject *args) {
     PyObject *epoch_o, *step_o, *rank_o, *bucket_o, *fp_o, *rows_o, *width_o, *limit_o, *pad_o, *ids_list,
@@ -616,7 +645,7 @@ static PyObject *build(PyObject *self, PyObject *args) {
                           &rows_o, &width_o, &limit_o, &pad_o, &t.offsets, &t.ids_first, &t.ids_delta, &t.mask_first,
                           &t.mask_delta, &ids_list, &mask_list, &ids_text, &mask_text))
         return NULL;
-    if (parse_kind(ids_text, &ids_kind) < 0 || parse_kind(mask_text, &mask_kind) < 0) {
+    if (parse_kind(ids_text, &ids_kind, 0) < 0 || parse_kind(mask_text, &mask_kind, 1) < 0) {
         release_tables(&t);
         return NULL;
     }

@@ -32,7 +32,7 @@ import pyarrow.compute as pc
 
 from ladle.proto import codec
 
-from .dataset import LOSS_MASK, TOKENS, TokenDataset
+from .dataset import IGNORE_INDEX, LOSS_MASK, TOKENS, TokenDataset
 from .errors import DatasetChangedError, DatasetError
 
 
@@ -130,6 +130,10 @@ class _Wide:
         asm = self.asm
         tokens = asm._ids[c][p : p + n]
         mask = asm._mask[cm][q : q + n]
+        if asm._mask_from == "labels":
+            mask = (mask != IGNORE_INDEX).view(np.int8)
+        elif asm._mask_from == "none":
+            mask = np.ones(n, dtype=np.int8)
         if asm._ids_wide[c]:
             self.ids.append((row, tokens))
         if asm._mask_wide[cm]:
@@ -145,13 +149,23 @@ class _Wide:
             low, high, _ = bounds
             if values.size and (int(values.min()) < low or int(values.max()) > high):
                 for row, v in rows:
-                    _check_fits(self.asm.dataset.path, column, row, v, bounds)
+                    columns = self.asm.dataset.columns
+                    name = columns.input_ids if column == TOKENS else columns.mask
+                    _check_fits(self.asm.dataset.path, column, row, v, bounds, name)
 
 
 def _check_fits(
-    where: str, column: str, row: int, values: npt.NDArray[Any], bounds: tuple[int, int, str]
+    where: str,
+    role: str,
+    row: int,
+    values: npt.NDArray[Any],
+    bounds: tuple[int, int, str],
+    column: str | None = None,
 ) -> None:
-    """Refuse a row whose values would wrap when cast to the wire's type (``DatasetError``)."""
+    """Refuse a row whose values would wrap when cast to the wire's type (``DatasetError``).
+
+    ``role``: ``input_ids`` or ``loss_mask``; ``column``: the stored column's name (the role's by default).
+    """
     if not values.size:
         return
     low, high, what = bounds
@@ -160,27 +174,38 @@ def _check_fits(
         bad = least if least < low else most
         fix = (
             "re-tokenize with a vocabulary that fits, or cast the column after checking its range"
-            if column == TOKENS
+            if role == TOKENS
             else "loss_mask values are weights of -128..127, usually 0 or 1: rescale or recompute the column"
         )
+        wrapped = "ladle would send it wrapped" if bounds in (_INT32, _INT8) else "the model cannot embed it"
         raise DatasetError(
-            f"dataset {where}: row {row} of {column!r} holds {bad}, outside {what} "
-            f"[{low}, {high}]; ladle would send it wrapped ({fix}). Serving checks values as it makes "
+            f"dataset {where}: row {row} of {column or role!r} holds {bad}, outside {what} "
+            f"[{low}, {high}]; {wrapped} ({fix}). Serving checks values as it makes "
             "batches, so a restarted trainer stops at the same step: fix the dataset, save it to a new "
             "folder and start a new job (ladle plan --check-values finds such rows before training)"
         )
 
 
-def check_values(dataset: TokenDataset) -> dict[str, tuple[int, int]]:
+def check_values(dataset: TokenDataset, vocab_size: int | None = None) -> dict[str, tuple[int, int]]:
     """Each served column's smallest and largest value, read from every token (``ladle plan --check-values``).
 
+    Keyed by role (``input_ids``, and ``loss_mask`` when the mask is a stored
+    column; a mask derived from labels or none is 0 or 1 by construction).
     ``DatasetError`` naming the first row that does not fit the wire's type,
-    as serving that row's batch would raise, but before training starts. It
+    as serving that row's batch would raise, but before training starts, or,
+    with ``vocab_size``, the first row with a token id outside
+    ``[0, vocab_size)`` (an embedding lookup would fail on the GPU). It
     reads the whole dataset once: seconds a GB from page cache, disk speed
     otherwise.
     """
     found: dict[str, tuple[int, int]] = {}
-    for column, bounds in ((TOKENS, _INT32), (LOSS_MASK, _INT8)):
+    columns = dataset.columns
+    checks = [(TOKENS, columns.input_ids, _INT32)]
+    if vocab_size is not None:
+        checks = [(TOKENS, columns.input_ids, (0, vocab_size - 1, f"the vocabulary of {vocab_size} ids"))]
+    if columns.mask_from == "loss_mask" and columns.mask is not None:
+        checks.append((LOSS_MASK, columns.mask, _INT8))
+    for role, column, bounds in checks:
         low, high, _ = bounds
         least: int | None = None
         most: int | None = None
@@ -198,9 +223,9 @@ def check_values(dataset: TokenDataset) -> dict[str, tuple[int, int]]:
                     ends = np.cumsum(np.asarray(pc.list_value_length(chunk).to_numpy(zero_copy_only=False)))
                     row = int(np.searchsorted(ends, at, side="right"))
                     values = np.asarray(chunk[row].values.to_numpy(zero_copy_only=False))
-                    _check_fits(dataset.path, column, first + row, values, bounds)
+                    _check_fits(dataset.path, role, first + row, values, bounds, column)
             first += len(chunk)
-        found[column] = (least or 0, most or 0)
+        found[role] = (least or 0, most or 0)
     return found
 
 
@@ -427,17 +452,27 @@ class Assembler:
         np.cumsum(dataset.lengths, out=offsets[1:])
         self._offsets: I64 = offsets
         table = dataset.table
-        ids_chunks = _list_chunks(table, TOKENS, self.num_rows)
-        mask_chunks = _list_chunks(table, LOSS_MASK, self.num_rows)
-        self._ids, self._ids_first_rows, self._ids_delta = _chunk_views(TOKENS, ids_chunks, offsets)
+        columns = dataset.columns
+        # the mask's source: a stored column (as it is), labels (1 where not -100) or none (all ones);
+        # "none" reads the ids' chunks in its place, so every offset and chunk table is the ids'
+        self._mask_from = columns.mask_from
+        ids_chunks = _list_chunks(table, columns.input_ids, self.num_rows)
+        mask_name = columns.mask if columns.mask is not None else columns.input_ids
+        mask_chunks = _list_chunks(table, mask_name, self.num_rows)
+        self._ids, self._ids_first_rows, self._ids_delta = _chunk_views(
+            columns.input_ids, ids_chunks, offsets
+        )
         # a uint8 mask is converted and checked like any other type: a weight of 200 is not sent as -56
-        self._mask, self._mask_first_rows, self._mask_delta = _chunk_views(LOSS_MASK, mask_chunks, offsets)
+        self._mask, self._mask_first_rows, self._mask_delta = _chunk_views(mask_name, mask_chunks, offsets)
         self._same_chunks = np.array_equal(self._ids_first_rows, self._mask_first_rows)
         # chunks whose dtype holds values the wire's int32 ids / int8 masks cannot: rows checked
         self._ids_wide = [not np.can_cast(v.dtype, np.int32) for v in self._ids]
-        self._mask_wide = [not np.can_cast(m.dtype, np.int8) for m in self._mask]
-        self._byte_copy = all(v.dtype == np.int32 for v in self._ids) and all(
-            m.dtype == np.int8 for m in self._mask
+        stored = self._mask_from == "loss_mask"  # a derived mask is 0 or 1: nothing to check
+        self._mask_wide = [stored and not np.can_cast(m.dtype, np.int8) for m in self._mask]
+        self._byte_copy = (
+            stored
+            and all(v.dtype == np.int32 for v in self._ids)
+            and all(m.dtype == np.int8 for m in self._mask)
         )
         # byte pieces go to the wire as they are (little-endian int32 ids, int8 masks)
         self._wire_bytes = self._byte_copy and sys.byteorder == "little"
@@ -455,6 +490,8 @@ class Assembler:
         # "i1" masks are copied as they are, any other converted in C, a value outside the wire's type
         # sent to the checked path, which names its row)
         ids_kind, mask_kind = _kind_of(self._ids), _kind_of(self._mask)
+        if mask_kind is not None and not stored:  # the compiled frame's "l" (labels) and "a" (all ones)
+            mask_kind = ("l" if self._mask_from == "labels" else "a") + mask_kind[1:]
         self._build_kinds: tuple[str, str] | None = None
         if sys.byteorder == "little" and ids_kind is not None and mask_kind is not None:
             self._build_kinds = (ids_kind, mask_kind)
@@ -463,6 +500,8 @@ class Assembler:
             for name, arrays, wire in ((TOKENS, self._ids, np.int32), (LOSS_MASK, self._mask, np.int8))
             for dtype in sorted({str(a.dtype) for a in arrays if a.dtype != wire})
         ]
+        if not stored:
+            slow.append(f"the loss mask is derived ({columns.describe()})")
         if slow and (_build is None or self._build_kinds is None):  # else converted in C
             log.warning(
                 "dataset %s: %s; batches are converted row by row in Python (the compiled frame, "

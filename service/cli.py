@@ -111,10 +111,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="read every token: refuse ids beyond int32 and mask values beyond int8 now, not at their batch, "
         "and name negative ids and masks other than 0/1 (reads the whole dataset once)",
     )
+    plan.add_argument(
+        "--vocab-size",
+        type=int,
+        metavar="N",
+        help="with --check-values: refuse token ids outside [0, N), the model's vocabulary",
+    )
+    _add_column_option(plan)
     _add_config_options(plan)
 
     serve = sub.add_parser("serve", help="serve a dataset's batches over gRPC to BatchClient trainers")
     serve.add_argument("dataset", help="a dataset folder written by save_to_disk")
+    _add_column_option(serve)
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     serve.add_argument(
         "--grpc-port",
@@ -271,6 +279,18 @@ def build_parser() -> argparse.ArgumentParser:
     for flag, what in (("--include", "file names to read (default all)"), ("--exclude", "names to skip")):
         make.add_argument(flag, action="append", default=[], metavar="GLOB", help=f"text, in folders: {what}")
     return parser
+
+
+def _add_column_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--column",
+        action="append",
+        default=[],
+        metavar="ROLE=NAME",
+        help="serve another column in a role: input_ids=NAME (the token ids), loss_mask=NAME (weights) or "
+        "labels=NAME (loss where not -100). Default: input_ids, and the mask from loss_mask, else labels, "
+        "else loss on every token",
+    )
 
 
 def _non_negative(text: str) -> int:
@@ -461,6 +481,7 @@ def limits_from_args(args: argparse.Namespace) -> Limits:
 def _serve(args: argparse.Namespace) -> int:
     import logging
 
+    from .dataset import parse_columns
     from .security import TlsFiles, load_tokens
     from .server import BatchServer, serve_forever
 
@@ -497,6 +518,7 @@ def _serve(args: argparse.Namespace) -> int:
         tokens=load_tokens(args.token_file),
         tls=TlsFiles.from_options(args.tls_cert, args.tls_key, args.tls_client_ca),
         insecure=args.insecure,
+        columns=parse_columns(args.column),
     )
     return serve_forever(server, ready_file=args.ready_file, http_ready_file=args.http_ready_file)
 
@@ -884,10 +906,14 @@ def _write_dataset(args: argparse.Namespace) -> int:
 
 def _plan(args: argparse.Namespace) -> int:
     from .assemble import check_values
-    from .dataset import open_dataset
+    from .dataset import open_dataset, parse_columns
 
     config = config_from_args(args)
-    ds = open_dataset(args.dataset)
+    if args.vocab_size is not None and args.vocab_size < 1:
+        raise ConfigError("vocab_size", f"--vocab-size must be >= 1, got {args.vocab_size}")
+    if args.vocab_size is not None and not args.check_values:
+        raise ConfigError("vocab_size", "--vocab-size is checked by --check-values: give both")
+    ds = open_dataset(args.dataset, parse_columns(args.column))
     sched = build_schedule(ds.lengths, config, epoch=args.epoch, world_size=args.world_size)
     # the epoch after, for the batch-mates that meet again
     after = build_schedule(ds.lengths, config, epoch=args.epoch + 1, world_size=args.world_size)
@@ -900,10 +926,15 @@ def _plan(args: argparse.Namespace) -> int:
             world_size=args.world_size,
         )
     cut = cut_samples(ds.lengths, config)
-    ranges = check_values(ds) if args.check_values else None
+    ranges = check_values(ds, args.vocab_size) if args.check_values else None
     if args.json:
         doc = summary(sched, after)
-        doc["dataset"] = {"path": ds.path, "rows": ds.num_rows, "fingerprint": ds.fingerprint}
+        doc["dataset"] = {
+            "path": ds.path,
+            "rows": ds.num_rows,
+            "fingerprint": ds.fingerprint,
+            "columns": ds.columns.as_dict(),
+        }
         doc["cut"] = {"samples": cut.samples, "tokens_cut": cut.tokens_cut, "tokens": cut.tokens}
         if ranges is not None:
             doc["values"] = {column: {"min": lo, "max": hi} for column, (lo, hi) in ranges.items()}
@@ -917,6 +948,7 @@ def _plan(args: argparse.Namespace) -> int:
         print(json.dumps(doc, indent=2))
         return 0
     print(f"dataset {ds.path}: {ds.num_rows} rows, fingerprint {ds.fingerprint}")
+    print(f"columns: {ds.columns.describe()}")
     print(
         f"config {config.fingerprint()}: budget {config.token_budget} tokens, "
         f"<= {config.max_batch_size} rows, max_seq_len {config.max_seq_len}, "
@@ -953,8 +985,10 @@ def _bounds_source(config: ScheduleConfig) -> str:
 
 def _values_line(ranges: dict[str, tuple[int, int]]) -> str:
     """What ``--check-values`` found: the ranges, and what in them is odd (every value fits the wire)."""
-    (ids_low, ids_high), (mask_low, mask_high) = ranges["input_ids"], ranges["loss_mask"]
-    line = f"values: input_ids {ids_low}..{ids_high}, loss_mask {mask_low}..{mask_high}: all fit the wire"
+    ids_low, ids_high = ranges["input_ids"]
+    mask_low, mask_high = ranges.get("loss_mask", (0, 1))
+    mask = f", loss_mask {mask_low}..{mask_high}" if "loss_mask" in ranges else ", loss mask derived (0 or 1)"
+    line = f"values: input_ids {ids_low}..{ids_high}{mask}: all fit the wire"
     if ids_low < 0:
         line += "\nnote: input_ids holds negative values (a -100 copied from labels?): they are served as is"
     if mask_low < 0 or mask_high > 1:

@@ -22,10 +22,10 @@ import os
 import re
 import stat
 import struct
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import datasets
 import numpy as np
@@ -34,6 +34,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from .errors import (
+    ConfigError,
     DatasetChangedError,
     DatasetError,
     DatasetNotFoundError,
@@ -45,13 +46,17 @@ from .errors import (
 
 __all__ = [
     "FINGERPRINT_SAMPLE",
+    "IGNORE_INDEX",
+    "LABELS",
     "LOSS_MASK",
     "REQUIRED_COLUMNS",
     "SEQ_LEN",
     "TOKENS",
+    "Columns",
     "DataFile",
     "TokenDataset",
     "open_dataset",
+    "parse_columns",
 ]
 
 I64 = npt.NDArray[np.int64]
@@ -60,7 +65,14 @@ log = logging.getLogger("ladle.dataset")
 TOKENS = "input_ids"
 LOSS_MASK = "loss_mask"
 SEQ_LEN = "seq_len"
+LABELS = "labels"
+# A label of this value carries no loss (the Hugging Face convention: torch's cross-entropy ignore_index).
+IGNORE_INDEX = -100
+# The columns of ladle's own format (what `ladle make-dataset` writes), read when nothing else is said.
 REQUIRED_COLUMNS: tuple[str, ...] = (TOKENS, LOSS_MASK)
+MaskFrom = Literal["loss_mask", "labels", "none"]
+# The roles `--column ROLE=NAME` can name.
+_ROLES = (TOKENS, LOSS_MASK, LABELS)
 
 # Tokens of each list column hashed into the fingerprint, at evenly spaced
 # positions of the column's flattened values. Few on purpose: each read of a
@@ -104,6 +116,64 @@ class DataFile:
         return None
 
 
+@dataclass(frozen=True)
+class Columns:
+    """Which stored columns are served: the token ids, and where each token's loss weight comes from.
+
+    ``mask_from`` is ``"loss_mask"`` (the weights stored in the column
+    ``mask``), ``"labels"`` (the column ``mask`` holds Hugging Face labels:
+    weight 1 where the label is not ``IGNORE_INDEX``, 0 where it is; no other
+    label value is read, the trainer shifts ``input_ids``) or ``"none"`` (no
+    such column: every token carries loss, as in pretraining). The default is
+    ladle's own format: ``input_ids`` and ``loss_mask``.
+    """
+
+    input_ids: str = TOKENS
+    mask_from: MaskFrom = "loss_mask"
+    mask: str | None = LOSS_MASK
+
+    @property
+    def default(self) -> bool:
+        return self == Columns()
+
+    def describe(self) -> str:
+        """One line for people: ``token ids from 'input_ids', loss where 'labels' is not -100``."""
+        where = f"token ids from {self.input_ids!r}, "
+        if self.mask_from == "loss_mask":
+            return where + f"loss weights from {self.mask!r}"
+        if self.mask_from == "labels":
+            return where + f"loss where {self.mask!r} is not {IGNORE_INDEX}"
+        return where + "loss on every token (no loss_mask or labels column)"
+
+    def as_dict(self) -> dict[str, str | None]:
+        return {"input_ids": self.input_ids, "mask_from": self.mask_from, "mask": self.mask}
+
+
+def parse_columns(specs: Sequence[str]) -> dict[str, str]:
+    """``["input_ids=tokens", "labels=targets"]`` as ``{role: column}``, or ``ConfigError("column")``.
+
+    Roles: ``input_ids``, ``loss_mask`` and ``labels`` (at most one of the last two).
+    """
+    found: dict[str, str] = {}
+    for spec in specs:
+        role, sep, name = spec.partition("=")
+        role, name = role.strip(), name.strip()
+        if not sep or not name:
+            raise ConfigError("column", f"expected ROLE=NAME (e.g. input_ids=tokens), got {spec!r}")
+        if role not in _ROLES:
+            raise ConfigError("column", f"{spec!r}: the role must be one of {list(_ROLES)}, got {role!r}")
+        if role in found and found[role] != name:
+            raise ConfigError("column", f"{role} is named twice ({found[role]!r} and {name!r})")
+        found[role] = name
+    if LOSS_MASK in found and LABELS in found:
+        raise ConfigError(
+            "column",
+            f"give loss_mask= or labels=, not both: the loss mask comes from one column "
+            f"(got loss_mask={found[LOSS_MASK]!r} and labels={found[LABELS]!r})",
+        )
+    return found
+
+
 @dataclass(frozen=True, eq=False)
 class TokenDataset:
     """A validated, memory-mapped token dataset.
@@ -117,6 +187,8 @@ class TokenDataset:
     covers. ``files`` are the memory-mapped Arrow files as they were when
     opened (empty for a table built in memory); ``file_ends[i]`` is the row
     after the last of ``files[i]`` (None when unknown: every file is checked).
+    ``columns`` names the columns served (the token ids and the loss mask's
+    source); "``input_ids``" and "``loss_mask``" above mean those columns.
     """
 
     path: str
@@ -127,6 +199,7 @@ class TokenDataset:
     table: pa.Table = field(repr=False)
     files: tuple[DataFile, ...] = field(default=(), repr=False)
     file_ends: I64 | None = field(default=None, repr=False)
+    columns: Columns = field(default_factory=Columns)
 
     def check_files(self, rows: I64 | None = None) -> None:
         """Raise ``DatasetChangedError`` if a data file was truncated, resized, rewritten or replaced.
@@ -157,15 +230,25 @@ class TokenDataset:
         return int(self.lengths.sum())
 
 
-def open_dataset(path: str | os.PathLike[str]) -> TokenDataset:
+def open_dataset(
+    path: str | os.PathLike[str], columns: Mapping[str, str] | Sequence[str] | None = None
+) -> TokenDataset:
     """Open and validate the dataset ``save_to_disk`` wrote into the folder ``path``.
+
+    ``columns`` maps roles to column names (``{"input_ids": "tokens"}``, or the
+    CLI's ``["input_ids=tokens"]``); unnamed, the token ids are ``input_ids``
+    and the loss mask comes from ``loss_mask`` if the dataset has it, else from
+    ``labels`` (1 where the label is not -100), else every token carries loss
+    (see ``Columns``). No column is copied or converted: the mask is derived
+    as batches are made.
 
     Raises ``DatasetNotFoundError`` when ``path`` does not exist,
     ``DatasetError`` when it is not one saved ``Dataset`` (a ``DatasetDict``
     folder, a plain folder, a dataset with an indices mapping, a column of the
     wrong type, a null row or token), ``MissingColumnsError``,
-    ``EmptyDatasetError``, ``LengthMismatchError`` (``loss_mask`` or
-    ``seq_len`` disagreeing with ``input_ids``) or ``ZeroLengthRowsError``.
+    ``EmptyDatasetError``, ``LengthMismatchError`` (``loss_mask``, ``labels`` or
+    ``seq_len`` disagreeing with ``input_ids``), ``ZeroLengthRowsError`` or,
+    for a bad ``columns``, ``ConfigError``.
 
     The fingerprint is a blake2b digest of a format tag, the row count, the
     column names and Arrow types, every row length, and ``FINGERPRINT_SAMPLE``
@@ -174,7 +257,13 @@ def open_dataset(path: str | os.PathLike[str]) -> TokenDataset:
     sampled token changes; it does NOT change when only tokens between the
     sampled positions change (same lengths), nor with the ``seq_len`` values
     (they must equal the lengths) or with metadata such as ``dataset_info.json``.
+    When the columns served are not ``input_ids`` and ``loss_mask``, it also
+    covers their names and the mask's source, and samples those columns.
     """
+    if isinstance(columns, Mapping):  # checked as the CLI's are
+        overrides = parse_columns([f"{role}={name}" for role, name in columns.items()])
+    else:
+        overrides = parse_columns(columns or ())
     given = os.fspath(path)
     if "://" in given:  # abspath would make /cwd/s3:/bucket/... of it
         raise DatasetNotFoundError(
@@ -194,16 +283,24 @@ def open_dataset(path: str | os.PathLike[str]) -> TokenDataset:
     except OSError as exc:
         raise DatasetError(f"{where}: a data file cannot be read: {exc}") from exc
     table = ds.data.table
-    _check_columns(where, table)
-    _warn_ignored(where, table)
+    chosen = _choose_columns(where, table, overrides)
+    _check_columns(where, table, chosen)
+    _warn_ignored(where, table, chosen)
     num_rows = int(table.num_rows)
     if num_rows == 0:
         raise EmptyDatasetError(f"dataset {where} has no rows; ladle needs at least one")
-    for name in REQUIRED_COLUMNS:
+    served = _served(chosen)
+    for name in served:
         _check_list_nulls(where, name, table.column(name))
-    lengths = _list_lengths(table.column(TOKENS))
-    mask_lengths = _list_lengths(table.column(LOSS_MASK))
-    _check_equal(where, "loss_mask length disagrees with the length of input_ids", mask_lengths, lengths)
+    lengths = _list_lengths(table.column(chosen.input_ids))
+    if chosen.mask is not None:
+        mask_lengths = _list_lengths(table.column(chosen.mask))
+        _check_equal(
+            where,
+            f"{chosen.mask} length disagrees with the length of {chosen.input_ids}",
+            mask_lengths,
+            lengths,
+        )
     has_seq_len = SEQ_LEN in table.column_names
     if has_seq_len:
         seq = table.column(SEQ_LEN)
@@ -214,21 +311,82 @@ def open_dataset(path: str | os.PathLike[str]) -> TokenDataset:
                 f"(first rows: {rows[:_FIRST_ROWS].tolist()})"
             )
         seq_values = np.asarray(seq.to_numpy(), dtype=np.int64)
-        _check_equal(where, "seq_len disagrees with the length of input_ids", seq_values, lengths)
+        _check_equal(where, f"seq_len disagrees with the length of {chosen.input_ids}", seq_values, lengths)
     empty = np.flatnonzero(lengths == 0)
     if len(empty):
         raise ZeroLengthRowsError(where, len(empty), empty[:_FIRST_ROWS].tolist())
     lengths.flags.writeable = False
+    if chosen.mask_from == "labels":
+        _check_labels(where, table, chosen, lengths)
     return TokenDataset(
         path=where,
         num_rows=num_rows,
         lengths=lengths,
-        fingerprint=_fingerprint(table, lengths),
+        fingerprint=_fingerprint(table, lengths, chosen),
         has_seq_len=has_seq_len,
         table=table,
         files=files,
         file_ends=_file_ends(files, num_rows),
+        columns=chosen,
     )
+
+
+def _served(columns: Columns) -> tuple[str, ...]:
+    """The stored columns read for batches: the ids, and the mask's column if there is one."""
+    return (columns.input_ids,) if columns.mask is None else (columns.input_ids, columns.mask)
+
+
+def _choose_columns(where: str, table: Any, overrides: Mapping[str, str]) -> Columns:
+    """The columns to serve: those named, else input_ids with loss_mask, labels or no mask column."""
+    present = list(table.column_names)
+    for role, name in overrides.items():
+        if name not in present:
+            token_lists = [n for n in present if _is_list_of_int(table.schema.field(n).type)]
+            raise MissingColumnsError(where, [name], present, token_lists, role=role)
+    ids = overrides.get(TOKENS, TOKENS)
+    if ids not in present:
+        token_lists = [n for n in present if _is_list_of_int(table.schema.field(n).type)]
+        raise MissingColumnsError(where, [ids], present, token_lists, role=TOKENS)
+    if LOSS_MASK in overrides:
+        return Columns(ids, "loss_mask", overrides[LOSS_MASK])
+    if LABELS in overrides:
+        return Columns(ids, "labels", overrides[LABELS])
+    if LOSS_MASK in present:
+        return Columns(ids, "loss_mask", LOSS_MASK)
+    if LABELS in present:
+        return Columns(ids, "labels", LABELS)
+    return Columns(ids, "none", None)
+
+
+# Sampled labels that are neither -100 nor the token at their position, above which a warning says so.
+_LABELS_DIFFER = 0.5
+
+
+def _check_labels(where: str, table: Any, columns: Columns, lengths: I64) -> None:
+    """Warn when sampled labels are mostly neither -100 nor their own token: labels stored shifted.
+
+    ladle reads labels for the mask only (the trainer shifts input_ids), so
+    labels already shifted by one would put every row's mask one token off.
+    """
+    assert columns.mask is not None
+    positions = _sample_positions(int(lengths.sum()))
+    labels = _sample_values(table.column(columns.mask), positions)
+    ids = _sample_values(table.column(columns.input_ids), positions)
+    scored = labels != IGNORE_INDEX
+    differ = int((scored & (labels != ids)).sum())
+    if scored.any() and differ > _LABELS_DIFFER * int(scored.sum()):
+        log.warning(
+            "dataset %s: %d of %d sampled %r values that are not %d differ from the token at their "
+            "position: ladle reads labels only for the loss mask (%d: no loss) and sends input_ids, which "
+            "the trainer shifts; if these labels were stored already shifted by one, the mask is one token "
+            "off (store them unshifted, as Hugging Face does, or store a loss_mask column)",
+            where,
+            differ,
+            int(scored.sum()),
+            columns.mask,
+            IGNORE_INDEX,
+            IGNORE_INDEX,
+        )
 
 
 def _file_ends(files: Sequence[DataFile], num_rows: int) -> I64 | None:
@@ -381,17 +539,23 @@ def _is_list_of_int(arrow_type: Any) -> bool:
     )
 
 
-def _check_columns(where: str, table: Any) -> None:
+def _check_columns(where: str, table: Any, columns: Columns) -> None:
     present = list(table.column_names)
-    missing = [name for name in REQUIRED_COLUMNS if name not in present]
     schema = table.schema
-    if missing:
-        token_lists = [name for name in present if _is_list_of_int(schema.field(name).type)]
-        raise MissingColumnsError(where, missing, present, token_lists)
     problems = []  # every column's, so one run names them all
-    for name in REQUIRED_COLUMNS:
+    for name in _served(columns):
         arrow_type = schema.field(name).type
-        if not _is_list_of_int(arrow_type):
+        if (
+            columns.mask_from == "labels"
+            and name == columns.mask
+            and _is_list_of_int(arrow_type)
+            and not pa.types.is_signed_integer(arrow_type.value_type)
+        ):
+            problems.append(
+                f"column {name!r} (labels) has Arrow type {arrow_type}: unsigned labels cannot hold "
+                f"{IGNORE_INDEX}, the value that marks a token without loss"
+            )
+        elif not _is_list_of_int(arrow_type):
             value_type = getattr(arrow_type, "value_type", None)
             hint = ""
             if value_type is not None and pa.types.is_boolean(value_type):
@@ -401,15 +565,21 @@ def _check_columns(where: str, table: Any) -> None:
                     f" (cast it to a variable-length list before save_to_disk: "
                     f"ds.cast_column({name!r}, Sequence(Value({str(value_type)!r}))))"
                 )
-            elif name == LOSS_MASK and value_type is not None and pa.types.is_floating(value_type):
+            elif (
+                columns.mask_from == "loss_mask"
+                and name == columns.mask
+                and value_type is not None
+                and pa.types.is_floating(value_type)
+            ):
                 hint = (
                     " (the mask goes to the trainer as int8 weights, usually 0 or 1: if those are its values,"
-                    " ds.cast_column('loss_mask', Sequence(Value('int8'))) before save_to_disk)"
+                    f" ds.cast_column({name!r}, Sequence(Value('int8'))) before save_to_disk)"
                 )
             problems.append(f"column {name!r} has Arrow type {arrow_type}{hint}")
     if problems:
         raise DatasetError(
             f"dataset {where}: {'; '.join(problems)}; expected lists (or large_lists) of integers"
+            + (" (signed, for labels)" if columns.mask_from == "labels" else "")
         )
     if SEQ_LEN in present:
         arrow_type = schema.field(SEQ_LEN).type
@@ -424,15 +594,21 @@ def _check_columns(where: str, table: Any) -> None:
 _IGNORED = {
     "attention_mask": "attention_mask comes from each row's length: every stored token is taken as "
     "real, so rows saved padded are served with their padding as tokens (save them unpadded)",
-    "labels": "the loss mask is loss_mask (labels are input_ids shifted, in the trainer)",
+    LABELS: "the loss mask comes from loss_mask; labels would be read only without one "
+    "(or with --column labels=labels)",
 }
 # Rows of an attention_mask column whose two ends are read for padding (evenly spaced: a few pages).
 PADDING_SAMPLE = 256
 
 
-def _warn_ignored(where: str, table: pa.Table) -> None:
+def _warn_ignored(where: str, table: pa.Table, columns: Columns) -> None:
+    if not columns.default:
+        log.info("dataset %s: %s", where, columns.describe())
     for name in table.column_names:
-        if name not in _IGNORED:
+        if name not in _IGNORED or name in _served(columns):
+            continue
+        if name == LABELS:  # beside a loss_mask, which wins: usual, nothing to fix
+            log.info("dataset %s: column %r is not read: %s", where, name, _IGNORED[name])
             continue
         padded, sampled = _padded_ends(table.column(name)) if name == "attention_mask" else (0, 0)
         if sampled and not padded:  # what a tokenizer writes for unpadded rows (all ones): nothing to fix
@@ -540,7 +716,7 @@ def _sample_values(column: Any, positions: I64) -> I64:
     return out
 
 
-def _fingerprint(table: Any, lengths: I64) -> str:
+def _fingerprint(table: Any, lengths: I64, columns: Columns) -> str:
     digest = hashlib.blake2b(_FINGERPRINT_TAG, digest_size=8)
     digest.update(struct.pack("<q", int(table.num_rows)))
     for schema_field in table.schema:
@@ -548,7 +724,9 @@ def _fingerprint(table: Any, lengths: I64) -> str:
     digest.update(b"\0lengths")
     digest.update(lengths.astype("<i8").tobytes())
     positions = _sample_positions(int(lengths.sum()))
-    for name in REQUIRED_COLUMNS:
+    if not columns.default:  # ladle's own columns hash as before: their jobs keep their fingerprint
+        digest.update(f"\0columns\0{columns.input_ids}\0{columns.mask_from}\0{columns.mask or ''}".encode())
+    for name in _served(columns):
         digest.update(f"\0{name}".encode())
         digest.update(_sample_values(table.column(name), positions).astype("<i8").tobytes())
     return digest.hexdigest()

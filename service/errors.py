@@ -171,36 +171,35 @@ class DatasetChangedError(DatasetError):
 
 
 class MissingColumnsError(DatasetError):
-    def __init__(self, path: str, missing: list[str], present: list[str], token_lists: list[str]) -> None:
-        """``token_lists``: the present columns that hold lists of integers (what could be renamed)."""
+    def __init__(
+        self,
+        path: str,
+        missing: list[str],
+        present: list[str],
+        token_lists: list[str],
+        role: str = "input_ids",
+    ) -> None:
+        """``missing``: the column looked for in the ``role`` (``input_ids``, ``loss_mask`` or ``labels``);
+        ``token_lists``: the present columns that hold lists of integers (what could be named instead)."""
         self.missing = missing
+        self.role = role
         hints = []
         known = ("input_ids", "loss_mask", "labels", "attention_mask")
-        others = [name for name in token_lists if name not in known]
-        if "input_ids" in missing and others:
+        others = [name for name in token_lists if name not in known and name not in missing]
+        if role == "input_ids" and others:
+            hints.append(f"if {others[0]!r} holds the token ids: --column input_ids={others[0]}")
+        elif role == "input_ids" and not token_lists:  # text, not tokens
             hints.append(
-                f"if {others[0]!r} holds the token ids: ds = ds.rename_column({others[0]!r}, 'input_ids')"
+                "it holds no token lists: tokenize it first with `ladle make-dataset OUT --from-hf "
+                f"{path} --text-column NAME --tokenizer TOKENIZER` (or JSONL, Parquet and text files: "
+                "docs/data.md)"
             )
-        elif "input_ids" in missing and not token_lists:  # text, not tokens
-            hints.append(
-                "it holds no token lists: tokenize it first, e.g. "
-                "ds.map(lambda b: tokenizer(b['text']), batched=True), or let `ladle make-dataset OUT "
-                "--from-text FILES` tokenize text files"
-            )
-        if "loss_mask" in missing and token_lists:
-            if "labels" in present:
-                hints.append(
-                    "from labels: ds.map(lambda r: {'loss_mask': [int(t != -100) for t in r['labels']]})"
-                )
-            else:
-                hints.append(
-                    "for a loss on every token: ds.map(lambda r: {'loss_mask': [1] * len(r['input_ids'])})"
-                )
+        named = "" if role == "input_ids" and missing == ["input_ids"] else f" (named for {role})"
         super().__init__(
-            f"dataset {path} lacks column(s) {missing}; it has {present}. "
-            "ladle needs input_ids (list of int) and loss_mask (list of int, same lengths)"
-            + "".join(f"; {hint}" for hint in hints)
-            + " (then save_to_disk to a new folder)"
+            f"dataset {path} lacks column(s) {missing}{named}; it has {present}. "
+            "ladle serves the token ids of input_ids (a list of int per row) and takes the loss mask "
+            "from loss_mask, else from labels (-100: no loss), else puts loss on every token; "
+            "--column ROLE=NAME names other columns" + "".join(f"; {hint}" for hint in hints)
         )
 
 

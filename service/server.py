@@ -22,7 +22,7 @@ import signal
 import socket
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import FrameType, TracebackType
 from typing import Any
@@ -82,6 +82,7 @@ class BatchServer:
         tokens: Sequence[str] = (),
         tls: TlsFiles | None = None,
         insecure: bool = False,
+        columns: Mapping[str, str] | Sequence[str] | None = None,
     ) -> None:
         if not 0 <= grpc_port <= 65535:
             raise ConfigError("grpc_port", f"must be in 0..65535, got {grpc_port}")
@@ -91,6 +92,8 @@ class BatchServer:
         if not (math.isfinite(grace) and grace >= 0):
             raise ConfigError("grace", f"must be a finite number of seconds >= 0, got {grace}")
         self.dataset_path = str(dataset)
+        # the columns served (open_dataset's: roles to names; None: input_ids, and the mask it finds)
+        self.columns = columns
         self.config = config
         # "[::1]" as URLs write it is the address ::1; "host:port" strings bracket it again (_join)
         self.host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
@@ -164,7 +167,7 @@ class BatchServer:
         check_exposure(
             self.host, token=self.token is not None, tls=self.tls is not None, insecure=self.insecure
         )
-        dataset = open_dataset(self.dataset_path)
+        dataset = open_dataset(self.dataset_path, self.columns)
         try:
             store = self._open_store()
         except OSError as exc:  # the state file's folder cannot be made: /proc/nope, read-only, a file
@@ -224,11 +227,12 @@ class BatchServer:
         self._watcher.start()
         # The store's repr names its file or its Redis URL with the password redacted.
         log.info(
-            "serving %s on %s (ladle %s, dataset %s, config %s, store %r)",
+            "serving %s on %s (ladle %s, dataset %s: %s; config %s, store %r)",
             self.dataset_path,
             self.address,
             ladle.__version__,
             dataset.fingerprint,
+            dataset.columns.describe(),
             self.config.fingerprint(),
             self._store,
         )
