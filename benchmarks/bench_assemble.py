@@ -217,7 +217,8 @@ def wide_columns(tmp: Path, repeat: int = 3) -> dict[str, Any]:
     columns through the Python converting path (what a build without the
     extension does), with its range check (a value outside the wire's int32
     or int8 is refused, not wrapped) on and off, are the baseline in the
-    same run.
+    same run. A mask derived as batches are made (Hugging Face ``labels``,
+    int64, 1 where not -100; no mask column at all) is measured the same way.
     """
     from ladle.service import assemble
     from ladle.service.dataset import open_dataset
@@ -240,6 +241,21 @@ def wide_columns(tmp: Path, repeat: int = 3) -> dict[str, Any]:
     wide = typed("wide", "int64", "int64")
     short_ids = typed("short_ids", "uint16", "int8")
     byte_mask = typed("byte_mask", "int32", "uint8")
+    # labels as a Hugging Face tokenizer pipeline stores them: int64, -100 where the mask is 0
+    with_labels = loaded.map(
+        lambda batch: {
+            "labels": [[t if m else -100 for t, m in zip(ids, mask, strict=True)] for ids, mask in
+                       zip(batch[TOKENS], batch[LOSS_MASK], strict=True)]
+        },
+        batched=True,
+        remove_columns=[LOSS_MASK],
+    )  # fmt: skip
+    with_labels.cast_column("labels", datasets.Sequence(datasets.Value("int64"))).save_to_disk(
+        str(tmp / "labels")
+    )
+    labels = open_dataset(tmp / "labels")
+    loaded.select_columns([TOKENS]).save_to_disk(str(tmp / "ids_only"))
+    ids_only = open_dataset(tmp / "ids_only")
     sched = build_schedule(narrow.lengths, ScheduleConfig(), world_size=1)
     jobs = [(sched.samples(s, 0), sched.padded_len(s, 0)) for s in range(sched.num_steps)]
     check, build = assemble._Wide.check, assemble._build
@@ -264,6 +280,9 @@ def wide_columns(tmp: Path, repeat: int = 3) -> dict[str, Any]:
         "int32_int64_mask": frames(Assembler(wide_mask)),
         "uint16_ids": frames(Assembler(short_ids)),
         "uint8_mask": frames(Assembler(byte_mask)),
+        "labels_int64": frames(Assembler(labels)),
+        "no_mask_column": frames(Assembler(ids_only)),
+        "labels_python": frames(Assembler(labels), python=True),
         "int64_both": frames(Assembler(wide)),
         "int64_python_checked": frames(Assembler(wide), python=True),
         "int64_python_unchecked": frames(Assembler(wide), python=True, checked=False),
@@ -285,6 +304,8 @@ def wide_columns(tmp: Path, repeat: int = 3) -> dict[str, Any]:
         "int64_vs_int32": round(us["int64_both"] / us["int32_int8"], 2),
         "int64_python_vs_compiled": round(us["int64_python_checked"] / us["int64_both"], 2),
         "int64_mask_vs_int8": round(us["int32_int64_mask"] / us["int32_int8"], 2),
+        "labels_vs_loss_mask": round(us["labels_int64"] / us["int32_int8"], 2),
+        "no_mask_vs_loss_mask": round(us["no_mask_column"] / us["int32_int8"], 2),
         "check_cost": round(us["int64_python_checked"] / us["int64_python_unchecked"], 2),
     }
 
@@ -316,6 +337,11 @@ def summary(result: dict[str, Any]) -> str:
         f"({wide['int64_vs_int32']}x); int64 both in Python {us['int64_python_checked']} "
         f"({wide['int64_python_vs_compiled']}x the C conversion), {us['int64_python_unchecked']} without "
         f"the range check"
+    )
+    lines.append(
+        f"  a derived mask, us a batch: from int64 labels {us['labels_int64']} "
+        f"({wide['labels_vs_loss_mask']}x an int8 loss_mask), in Python {us['labels_python']}; "
+        f"no mask column {us['no_mask_column']} ({wide['no_mask_vs_loss_mask']}x)"
     )
     return "\n".join(lines)
 
