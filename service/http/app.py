@@ -167,7 +167,12 @@ def _summary(inspector: Inspector, state: JobState) -> dict[str, Any]:
 
 def _dataset(inspector: Inspector) -> dict[str, Any]:
     ds = inspector.dataset
-    return {"path": ds.path, "rows": ds.num_rows, "fingerprint": ds.fingerprint}
+    return {
+        "path": ds.path,
+        "rows": ds.num_rows,
+        "fingerprint": ds.fingerprint,
+        "columns": ds.columns.describe(),
+    }
 
 
 # the Host names that mean this machine (any port): what a loopback server without a token answers

@@ -53,6 +53,9 @@ class DatasetInfo(BaseModel):
     path: str
     rows: int
     fingerprint: str
+    columns: str = Field(
+        description="the columns served: the token ids and the loss mask's source (loss_mask, labels or none)"
+    )
 
 
 class StoreCheck(BaseModel):

@@ -26,9 +26,11 @@ CONFIG = ScheduleConfig(max_seq_len=128, bucket_bounds=(0, 32, 64, 129), token_b
 def inspector(tmp_path: Path) -> insp.Inspector:
     from types import SimpleNamespace
 
+    from ladle.service.dataset import Columns
+
     lengths = (np.arange(40_000, dtype=np.int64) * 37) % 128 + 1
     dataset = SimpleNamespace(
-        lengths=lengths, fingerprint="ds-test", path=str(tmp_path), num_rows=len(lengths)
+        lengths=lengths, fingerprint="ds-test", path=str(tmp_path), num_rows=len(lengths), columns=Columns()
     )
     store = EmbeddedStore(tmp_path / "state.db")
     return insp.Inspector(JobRegistry(dataset, CONFIG, store))  # type: ignore[arg-type]

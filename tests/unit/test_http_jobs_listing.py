@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 
+from ladle.service.dataset import Columns
 from ladle.service.http import Inspector, create_app
 from ladle.service.http.page import PAGE_JOBS
 from ladle.service.jobs import JobRegistry
@@ -31,7 +32,9 @@ CONFIG = ScheduleConfig(max_seq_len=128, bucket_bounds=(0, 32, 129), token_budge
 @pytest.fixture
 def registry(tmp_path: Path) -> JobRegistry:
     lengths = (np.arange(2000, dtype=np.int64) * 37) % 128 + 1
-    dataset = SimpleNamespace(lengths=lengths, fingerprint="ds", path=str(tmp_path), num_rows=len(lengths))
+    dataset = SimpleNamespace(
+        lengths=lengths, fingerprint="ds", path=str(tmp_path), num_rows=len(lengths), columns=Columns()
+    )
     return JobRegistry(dataset, CONFIG, EmbeddedStore(tmp_path / "state.db"))  # type: ignore[arg-type]
 
 
