@@ -1,9 +1,10 @@
 """Run every benchmark and print its figures beside their baselines.
 
 ``python -m benchmarks.run`` (quick: 1M lengths, serving a 0.4 GB dataset, 1.5 s per
-cursor-store case, a 15 s connection soak) or ``--full`` (10M lengths, the sizes the issues' targets
-name; serving 1 GB and a 4.1 GB dataset for the server's memory; the wire-layout comparison; three 5 s
-rounds per store case; the soak with 200 idle connections and 50 connects a second for a minute).
+cursor-store case, a 15 s connection soak, make-dataset from 32 MB of JSONL) or ``--full`` (10M
+lengths, the sizes the issues' targets name; serving 1 GB and a 4.1 GB dataset for the server's memory;
+the wire-layout comparison; three 5 s rounds per store case; the soak with 200 idle connections and 50
+connects a second for a minute; make-dataset from 1 GB of JSONL).
 Results are JSON on stdout and a short table on stderr.
 """
 
@@ -19,6 +20,7 @@ from benchmarks import (
     bench_client_lifetime,
     bench_dataset,
     bench_http,
+    bench_ingest,
     bench_roundtrips,
     bench_schedule,
     bench_serving,
@@ -35,6 +37,7 @@ def main(argv: list[str]) -> int:
         "schedule": bench_schedule.main(full),
         "batchmates": bench_batchmates.main(quick=not full),
         "dataset": bench_dataset.bench_make_dataset(1_000_000 if full else 100_000),
+        "ingest": bench_ingest.main(1024 if full else 32),
         "serving": bench_serving.main(full),
         "assemble": bench_assemble.main(50_000 if full else 20_000),
         "shards": bench_shards.main(6000, 512),
@@ -95,6 +98,8 @@ def main(argv: list[str]) -> int:
     for line in bench_client_lifetime.summary(results["client_lifetime"]):
         print(line, file=sys.stderr)
     for line in bench_batchmates.summary(results["batchmates"]):
+        print(line, file=sys.stderr)
+    for line in bench_ingest.summary(results["ingest"]):
         print(line, file=sys.stderr)
     return 0
 

@@ -4,8 +4,10 @@
 tokens and loss mask of a range of rows, and writes a folder that
 ``datasets.load_from_disk`` and ``open_dataset`` read as if ``save_to_disk``
 had written it; it never overwrites a non-empty folder and never leaves a
-half-written one. Used by the synthetic (``synth``) and the real-text
-(``text``) dataset makers.
+half-written one. Used by the synthetic (``synth``) dataset maker; the
+streaming writer of ``ingest`` (real text and records) shares its
+``staging`` (the temporary folder, the schema, ``state.json`` and the final
+rename).
 
 The shard count is ``save_to_disk``'s (estimated bytes over
 ``_MAX_SHARD_SIZE``, plus one), known up front from the row lengths; shards
@@ -40,7 +42,7 @@ from datasets.table import InMemoryTable
 from .dataset import LOSS_MASK, SEQ_LEN, TOKENS, TokenDataset, open_dataset
 from .errors import ConfigError
 
-__all__ = ["BLOCK_TOKENS", "RowsFn", "check_target", "write_dataset"]
+__all__ = ["BLOCK_TOKENS", "RowsFn", "Staging", "check_target", "hf_fingerprint", "staging", "write_dataset"]
 
 I32 = npt.NDArray[np.int32]
 I64 = npt.NDArray[np.int64]
@@ -92,40 +94,96 @@ def write_dataset(
     file names to contents written beside the dataset (a tokenizer, a
     manifest), in place before the folder appears.
     """
-    target = check_target(out)
-    target.parent.mkdir(parents=True, exist_ok=True)
     offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
     np.cumsum(lengths, out=offsets[1:])
     large = int(offsets[-1]) >= _LARGE_LIST_TOKENS
-    hf_fingerprint = hashlib.blake2b(identity.encode(), digest_size=8).hexdigest()
     shards, batch_rows = _layout(offsets, large, with_seq_len)
     names = [f"data-{k:05d}-of-{len(shards) - 1:05d}.arrow" for k in range(len(shards) - 1)]
-
-    def batch(first: int, last: int, schema: pa.Schema) -> pa.RecordBatch:
-        return _block(first, last, offsets, lengths, rows, schema, large)
-
-    with tempfile.TemporaryDirectory(prefix=f".{target.name}.ladle-write-", dir=target.parent) as tmp:
-        staged = Path(tmp, "dataset")
-        probe = Path(tmp, "probe")
-        schema = _save_probe(probe, batch(0, 1, _schema(large, with_seq_len)), hf_fingerprint)
-        staged.mkdir()
+    with staging(out, large=large, with_seq_len=with_seq_len) as stage:
+        paths = [stage.folder / name for name in names]
         _write_shards(
-            [staged / name for name in names],
-            schema,
+            paths,
+            stage.schema,
             (
-                (shard, batch(first, last, schema))
+                (shard, _block(first, last, offsets, lengths, rows, stage.schema, large))
                 for shard, first, last in _blocks(offsets, shards, batch_rows)
             ),
         )
-        state = json.loads((probe / _STATE).read_text(encoding="utf-8"))
+        stage.seal(paths, hf_fingerprint(identity), extra)
+    return open_dataset(out)
+
+
+def hf_fingerprint(identity: str) -> str:
+    """The ``datasets`` fingerprint (``state.json``'s ``_fingerprint``) of a dataset of this identity."""
+    return hashlib.blake2b(identity.encode(), digest_size=8).hexdigest()
+
+
+class Staging:
+    """A dataset being written in a temporary folder beside its target (see ``staging``).
+
+    Shards go into ``folder`` as Arrow IPC streams of ``schema`` (which
+    carries ``datasets``' features metadata); ``seal`` names them, adds
+    ``state.json``, ``dataset_info.json`` and the extra files, and renames the
+    folder to the target.
+    """
+
+    def __init__(self, target: Path, folder: Path, probe: Path, schema: pa.Schema) -> None:
+        self.target = target
+        self.folder = folder
+        self.schema = schema
+        self._probe = probe
+        self.sealed = False
+
+    def seal(self, shards: list[Path], fingerprint: str, extra: Mapping[str, bytes] | None = None) -> None:
+        """Name ``shards`` (in order, in ``folder``) ``data-K-of-N.arrow``; move the folder into place.
+
+        ``fingerprint`` becomes ``state.json``'s ``_fingerprint``; ``extra``
+        maps file names to contents written beside the shards first.
+        """
+        names = [f"data-{k:05d}-of-{len(shards):05d}.arrow" for k in range(len(shards))]
+        for path, name in zip(shards, names, strict=True):
+            if path.name != name:
+                os.replace(path, self.folder / name)
+        state = json.loads((self._probe / _STATE).read_text(encoding="utf-8"))
         state["_data_files"] = [{"filename": name} for name in names]
-        with open(staged / _STATE, "w", encoding="utf-8") as state_file:
+        state["_fingerprint"] = fingerprint
+        with open(self.folder / _STATE, "w", encoding="utf-8") as state_file:
             json.dump(state, state_file, indent=2, sort_keys=True)
-        os.replace(probe / _INFO, staged / _INFO)
+        os.replace(self._probe / _INFO, self.folder / _INFO)
         for name, content in (extra or {}).items():
-            (staged / name).write_bytes(content)
-        os.replace(staged, target)
-    return open_dataset(target)
+            (self.folder / name).write_bytes(content)
+        os.replace(self.folder, self.target)
+        self.sealed = True
+
+
+@contextlib.contextmanager
+def staging(
+    out: str | os.PathLike[str], *, large: bool = False, with_seq_len: bool = True
+) -> Iterator[Staging]:
+    """A ``Staging`` for the new dataset folder ``out``, its temporary folder removed at exit.
+
+    ``out`` must not exist or be an empty folder (``ConfigError("out")``).
+    Everything is written into ``.OUT.ladle-write-*`` beside ``out`` and
+    appears at ``out`` only when ``Staging.seal`` renames it there, so a
+    failure (an exception here, or a crash) never leaves a folder at ``out``
+    that looks like a dataset.
+    """
+    target = check_target(out)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=f".{target.name}.ladle-write-", dir=target.parent) as tmp:
+        probe = Path(tmp, "probe")
+        schema = _save_probe(probe, _probe_row(_schema(large, with_seq_len)), "0" * 16)
+        folder = Path(tmp, "dataset")
+        folder.mkdir()
+        yield Staging(target, folder, probe, schema)
+
+
+def _probe_row(schema: pa.Schema) -> pa.RecordBatch:
+    """One row of ``schema`` (one token): all ``save_to_disk`` needs to write the schema and metadata."""
+    columns = [pa.array([[1]], type=schema.field(k).type) for k in range(2)]
+    if len(schema) == 3:
+        columns.append(pa.array([1], type=pa.int32()))
+    return pa.RecordBatch.from_arrays(columns, schema=schema)
 
 
 def _schema(large: bool, with_seq_len: bool) -> pa.Schema:

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from typing import Any, Final, get_args
 
 from .errors import ConfigError, JobNotFoundError, LadleError
+from .ingest.command import add_arguments as ingest_arguments
 from .limits import Limits
 from .report import BUCKET_HEADER, bucket_cells, ratio_cell
 from .schedule import PRODUCTION_BOUNDS, ScheduleConfig, build_schedule, cut_samples
@@ -31,7 +32,6 @@ from .schedule.stats import (
     simulate_loss,
     summary,
 )
-from .text import Split, TokenizerKind
 
 # The gRPC health service's name for "ready to serve trainers" (ladle.proto.rpc.SERVICE).
 SERVICE_HEALTH: Final = "ladle.v1.BatchService"
@@ -253,12 +253,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     make = sub.add_parser(
-        "make-dataset", help="write a tokenized dataset: synthetic (production length mix) or real text"
+        "make-dataset",
+        help="write a tokenized dataset: synthetic (production length mix), or from text, JSONL, Parquet "
+        "or a save_to_disk folder",
     )
     make.add_argument("out", help="folder to create")
     source = make.add_mutually_exclusive_group(required=True)
     source.add_argument("--rows", type=int, help="synthetic: this many rows of the production length mix")
-    source.add_argument("--from-text", nargs="+", metavar="PATH", help="tokenize these files and folders")
     make.add_argument("--seed", type=int, default=0, help="synthetic rows")
     make.add_argument(
         "--scale",
@@ -266,18 +267,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=1.0,
         help="synthetic: multiply every length, e.g. 0.03125 for rows 1/32 as long (default: 1.0)",
     )
-    make.add_argument("--vocab-size", type=int, help="default: 32000 synthetic, 4096 BPE")
-    make.add_argument(
-        "--split",
-        choices=get_args(Split),
-        default="documents",
-        help="text: a row per file (documents, the default), top-level function or class, or paragraph",
-    )
-    make.add_argument(
-        "--tokenizer", choices=get_args(TokenizerKind), default="bpe", help="text: bpe (default) or bytes"
-    )
-    for flag, what in (("--include", "file names to read (default all)"), ("--exclude", "names to skip")):
-        make.add_argument(flag, action="append", default=[], metavar="GLOB", help=f"text, in folders: {what}")
+    ingest_arguments(make, source)
     return parser
 
 
@@ -876,29 +866,15 @@ def _make_dataset(args: argparse.Namespace) -> int:
 
 
 def _write_dataset(args: argparse.Namespace) -> int:
+    if args.rows is None:
+        from .ingest.command import run
+
+        return run(args)
+    from .synth import make_dataset
+
     began = time.perf_counter()
-    if args.from_text:
-        from .text import make_text_dataset
-
-        made = make_text_dataset(
-            args.out,
-            args.from_text,
-            split=args.split,
-            tokenizer=args.tokenizer,
-            vocab_size=args.vocab_size,
-            include=args.include,
-            exclude=args.exclude,
-        )
-        ds = made.dataset
-        print(
-            f"read {made.files} files ({len(made.skipped)} skipped: see text.json), "
-            f"{made.tokenizer.kind} vocabulary {made.tokenizer.vocab_size}, {ds.num_tokens:,} tokens"
-        )
-    else:
-        from .synth import make_dataset
-
-        vocab_size = 32000 if args.vocab_size is None else args.vocab_size
-        ds = make_dataset(args.out, args.rows, args.seed, scale=args.scale, vocab_size=vocab_size)
+    vocab_size = 32000 if args.vocab_size is None else args.vocab_size
+    ds = make_dataset(args.out, args.rows, args.seed, scale=args.scale, vocab_size=vocab_size)
     took = time.perf_counter() - began
     print(f"wrote {ds.num_rows} rows to {args.out} in {took:.1f}s (fingerprint {ds.fingerprint})")
     return 0

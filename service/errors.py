@@ -13,14 +13,17 @@ from typing import Any, ClassVar
 __all__ = [
     "AlgorithmVersionError",
     "BinaryFileError",
+    "ChatTemplateError",
     "CheckpointMismatchError",
     "CheckpointPositionError",
     "ConfigError",
+    "CorruptFileError",
     "CursorRegressionError",
     "DatasetChangedError",
     "DatasetError",
     "DatasetNotFoundError",
     "EmptyDatasetError",
+    "EmptySourceError",
     "EmptyTextError",
     "FencedError",
     "JobMismatchError",
@@ -32,12 +35,15 @@ __all__ = [
     "ScheduleBusyError",
     "ScheduleError",
     "ScheduleLimitError",
+    "SourceColumnError",
     "StoreCorruptError",
     "StoreCredentialsError",
     "StoreError",
     "StoreFormatError",
     "StoreUnavailableError",
     "TextSourceError",
+    "TokenizerError",
+    "TooManySkippedError",
     "UnreadableFileError",
     "WorldSizeMismatchError",
     "ZeroLengthRowsError",
@@ -253,6 +259,73 @@ class BinaryFileError(TextSourceError):
 
 class UnreadableFileError(TextSourceError):
     """The file does not exist or cannot be read (permissions, a directory loop, I/O)."""
+
+
+# --- sources and tokenizers of `ladle make-dataset` (service/ingest) ----------
+# A problem with a whole source (or the tokenizer) is one of these, raised
+# before or as it is found, so nothing is written; a problem with one record is
+# a counted skip that the summary names, and too many of them are
+# ``TooManySkippedError``. Each pickles with its facts (it may cross from a
+# worker process).
+
+
+class CorruptFileError(TextSourceError):
+    """A source's bytes are not what its format promises (a truncated ``.gz``, a damaged Parquet file)."""
+
+
+class EmptySourceError(TextSourceError):
+    """A source holds no records (an empty file, only blank lines, no rows)."""
+
+
+class SourceColumnError(TextSourceError):
+    """A column the options name is missing from a source; ``missing`` and ``present`` name the columns."""
+
+    def __init__(self, path: str, missing: list[str], present: list[str], where: str = "") -> None:
+        self.missing = list(missing)
+        self.present = list(present)
+        self.where = where
+        super().__init__(
+            path,
+            f"has no column {', '.join(map(repr, self.missing))}{where}; the columns it has: {self.present} "
+            "(name one with --text-column, --prompt-column/--completion-column, --messages-column "
+            "or --ids-column)",
+        )
+
+    def __reduce__(self) -> tuple[type[SourceColumnError], tuple[str, list[str], list[str], str]]:  # type: ignore[override]
+        return (type(self), (self.path, self.missing, self.present, self.where))
+
+
+class TokenizerError(TextSourceError):
+    """The tokenizer given to ``make-dataset`` cannot be used; ``path`` names it, ``detail`` says why."""
+
+
+class ChatTemplateError(TokenizerError):
+    """``--messages-column`` needs a chat template: there is none, or it cannot mark assistant turns."""
+
+
+class TooManySkippedError(DatasetError):
+    """More records were skipped than ``--max-skipped-fraction`` allows; nothing was written.
+
+    ``skipped`` of ``rows`` records read; ``reasons`` maps each reason to its count.
+    """
+
+    kind = "invalid_argument"
+
+    def __init__(self, skipped: int, rows: int, limit: float, reasons: dict[str, int], first: str) -> None:
+        self.skipped = skipped
+        self.rows = rows
+        self.limit = limit
+        self.reasons = dict(reasons)
+        self.first = first
+        counts = ", ".join(f"{reason} {count}" for reason, count in self.reasons.items())
+        super().__init__(
+            f"{skipped} of {rows} record(s) were skipped ({counts}; first: {first}), more than "
+            f"--max-skipped-fraction {limit} allows; nothing was written. Fix the input or the column "
+            "options, or raise --max-skipped-fraction to keep the rest"
+        )
+
+    def __reduce__(self) -> tuple[type[TooManySkippedError], tuple[int, int, float, dict[str, int], str]]:
+        return (type(self), (self.skipped, self.rows, self.limit, self.reasons, self.first))
 
 
 # --- the cursor store -------------------------------------------------------

@@ -3,13 +3,16 @@
 The same files (bytes and sorted paths) and options always write the same
 rows, tokenizer and fingerprint, and nothing is downloaded: the BPE
 tokenizer is trained here, on the same text, by the ``tokenizers`` library.
-The trade-off: the whole text and its tokens are held in memory while they
-are tokenized (about 100 MB for the 31 MB of Python's standard library), so
-this suits corpora of that size, not web-scale ones.
+``make_text_dataset`` runs on the streaming pipeline of ``ladle.service.ingest``:
+files are read, split and tokenized a batch at a time and the rows written
+as they come, so memory does not grow with the corpus (training BPE holds
+its word counts, a pass of its own over the files). This module keeps what
+text files need: reading, splitting, the two tokenizers and their loading.
 
 Files: a PATH that is a file is used as given and must be readable,
-non-empty UTF-8 text (``UnreadableFileError``, ``EmptyTextError``,
-``BinaryFileError`` otherwise). A PATH that is a folder is walked
+non-empty UTF-8 text, gzip-compressed when its name ends in ``.gz``
+(``UnreadableFileError``, ``EmptyTextError``, ``BinaryFileError``,
+``CorruptFileError`` otherwise). A PATH that is a folder is walked
 recursively in sorted order, without hidden entries, ``__pycache__`` and
 the files and folders whose names match ``exclude``, keeping the file names
 that match ``include`` (default: every name); files in it that are
@@ -20,24 +23,26 @@ per maximal run of non-blank lines; ``functions``, one row per top-level
 function or class of a Python file (found with ``ast``, decorators
 included), the code between them split into paragraphs, and paragraphs for
 any other file or a Python file that does not parse. Rows keep their text
-verbatim (line endings included) and appear in file order.
+verbatim (line endings included) and appear in file order; a row longer
+than ``max_seq_len`` tokens is cut into pieces of at most that many.
 
 Tokens (``tokenizer``): ``bpe``, byte-level BPE trained on the rows
 (``vocab_size`` tokens at most: 2 reserved, the 256 bytes, then merges),
 saved as ``OUT/tokenizer.json``; ``bytes``, one token per UTF-8 byte, its
 value plus ``BYTE_OFFSET``. Ids 0 (``<pad>``) and 1 (``<eos>``) are reserved
-by both and never appear in a row. ``loss_mask`` is 1 on every token.
-``OUT/text.json`` records what was read and how.
+by both and appear in a row only as its last token, with ``eos``.
+``loss_mask`` is 1 on every token. ``OUT/text.json`` records what was read and how.
 """
 
 from __future__ import annotations
 
 import ast
 import fnmatch
-import hashlib
+import gzip
 import json
 import os
 import re
+import zlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,9 +54,8 @@ import numpy.typing as npt
 from .errors import (
     BinaryFileError,
     ConfigError,
-    EmptyDatasetError,
+    CorruptFileError,
     EmptyTextError,
-    TextSourceError,
     UnreadableFileError,
 )
 
@@ -89,10 +93,12 @@ _MIN_BPE_VOCAB = BYTE_OFFSET + 256
 _MAX_BPE_VOCAB = 1 << 20
 TOKENIZER_FILE = "tokenizer.json"
 MANIFEST = "text.json"
-_FORMAT_TAG = "ladle-text-v1"
 _PYTHON_SUFFIXES = (".py", ".pyi", ".pyw")
 # Rows encoded per call of the BPE tokenizer (bounds the memory of its Encoding objects).
 _ENCODE_GROUP = 4096
+# Files larger than this are refused as binary if their first _PEEK_BYTES hold a NUL.
+_PEEK_ABOVE = 1 << 20
+_PEEK_BYTES = 1 << 13
 # A line and its ending, as Python's parser counts lines (\r\n, \r or \n).
 _LINE = re.compile(r"[^\r\n]*(?:\r\n|\r|\n)|[^\r\n]+\Z")
 
@@ -140,19 +146,13 @@ class BpeTokenizer:
     @classmethod
     def train(cls, texts: Sequence[str], vocab_size: int = DEFAULT_VOCAB_SIZE) -> BpeTokenizer:
         """Train on ``texts`` (deterministic: the same texts give the same merges)."""
-        from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+        from tokenizers import Tokenizer
 
-        tokenizer = Tokenizer(models.BPE())
-        tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-        tokenizer.decoder = decoders.ByteLevel()
-        trainer = trainers.BpeTrainer(
-            vocab_size=vocab_size,
-            special_tokens=list(RESERVED_TOKENS),
-            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-            show_progress=False,
-        )
-        tokenizer.train_from_iterator(texts, trainer, length=len(texts))
-        return cls(tokenizer)
+        from .ingest.tokenizer import train_bpe
+
+        trained = train_bpe(texts, vocab_size).json
+        assert trained is not None
+        return cls(Tokenizer.from_str(trained))
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> BpeTokenizer:
@@ -208,12 +208,22 @@ class TextDataset:
 
 
 def read_text(path: str | os.PathLike[str]) -> str:
-    """The UTF-8 text of a file (a leading BOM dropped), or a typed ``TextSourceError``."""
+    """The UTF-8 text of a file (``.gz`` decompressed, a BOM dropped), or a typed ``TextSourceError``."""
     where = os.fspath(path)
     try:
+        if not where.endswith(".gz") and os.path.getsize(where) > _PEEK_ABOVE:
+            # a large binary (a shared library in a walked folder) is refused without reading it all
+            with open(where, "rb") as head:
+                if b"\0" in head.read(_PEEK_BYTES):
+                    raise BinaryFileError(where, "holds NUL bytes: a binary file, not text")
         data = Path(where).read_bytes()
     except OSError as exc:
         raise UnreadableFileError(where, f"cannot be read: {exc.strerror or exc}") from None
+    if where.endswith(".gz") and data:
+        try:
+            data = gzip.decompress(data)
+        except (OSError, EOFError, zlib.error) as exc:
+            raise CorruptFileError(where, f"is a truncated or corrupt gzip file ({exc})") from None
     if b"\0" in data:
         raise BinaryFileError(where, "holds NUL bytes: a binary file, not text")
     try:
@@ -322,12 +332,18 @@ def make_text_dataset(
     vocab_size: int | None = None,
     include: Sequence[str] = (),
     exclude: Sequence[str] = (),
+    max_seq_len: int = 8192,
+    eos: bool = False,
+    workers: int = 0,
 ) -> TextDataset:
     """Tokenize the files under ``paths`` into the new dataset folder ``out`` (see the module docstring).
 
     ``out`` must not exist or be an empty folder (``ConfigError("out")``);
     ``vocab_size`` (BPE only; default ``DEFAULT_VOCAB_SIZE``) is at least 258.
-    Raises ``EmptyDatasetError`` when no file gives a row.
+    Rows longer than ``max_seq_len`` tokens are cut into pieces of at most
+    that many (no token is lost); ``eos`` ends each row of the split text
+    with ``<eos>``; ``workers`` processes tokenize (0: this one). Raises
+    ``EmptyDatasetError`` when no file gives a row.
     """
     if split not in get_args(Split):
         raise ConfigError("split", f"must be one of {list(get_args(Split))}, got {split!r}")
@@ -340,71 +356,23 @@ def make_text_dataset(
         raise ConfigError("vocab_size", f"must be in [{_MIN_BPE_VOCAB}, {_MAX_BPE_VOCAB}], got {size}")
     if not paths:
         raise ConfigError("from_text", "give at least one file or folder")
-    # imported here: the CLI imports this module for its option names, and datasets is slow to import
-    from ._writer import check_target, write_dataset
+    # imported here: the CLI imports this module for its option names, and the pipeline is slow to import
+    from .ingest.encode import Options
+    from .ingest.make import make_dataset_from
+    from .ingest.sources import Source
 
-    check_target(out)
-
-    rows: list[str] = []
-    files = 0
-    skipped: list[tuple[str, str]] = []
-    for path, given in _files(paths, include, exclude):
-        try:
-            text = read_text(path)
-        except TextSourceError as exc:
-            if given:
-                raise
-            skipped.append((path, exc.detail))
-            continue
-        files += 1
-        rows += split_text(text, split, python=path.endswith(_PYTHON_SUFFIXES))
-    if not rows:
-        raise EmptyDatasetError(
-            f"no text to tokenize in {[os.fspath(p) for p in paths]}: {files} file(s) read, "
-            f"{len(skipped)} skipped" + (f" (first: {skipped[0][0]}: {skipped[0][1]})" if skipped else "")
-        )
-
-    coder: TextTokenizer = ByteTokenizer() if tokenizer == "bytes" else BpeTokenizer.train(rows, size)
-    encoded = coder.encode_batch(rows)
-    del rows
-    lengths = np.fromiter((len(ids) for ids in encoded), dtype=np.int32, count=len(encoded))
-    tokens = np.concatenate(encoded)
-    del encoded
-    offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
-    np.cumsum(lengths, out=offsets[1:])
-
-    def rows_of(first: int, last: int) -> tuple[I32, npt.NDArray[np.int8]]:
-        piece = tokens[offsets[first] : offsets[last]]
-        return piece, np.ones(len(piece), dtype=np.int8)
-
-    tokenizer_json = coder.to_json() if isinstance(coder, BpeTokenizer) else None
-    digest = hashlib.blake2b(f"{_FORMAT_TAG}:{split}:{tokenizer}".encode(), digest_size=16)
-    digest.update((tokenizer_json or "").encode())
-    digest.update(lengths.astype("<i4").tobytes())
-    digest.update(tokens.astype("<i4").tobytes())
-    manifest = {
-        "format": _FORMAT_TAG,
-        "sources": [os.fspath(p) for p in paths],
-        "include": list(include),
-        "exclude": list(exclude),
-        "split": split,
-        "tokenizer": {
-            "kind": tokenizer,
-            "vocab_size": coder.vocab_size,
-            "file": TOKENIZER_FILE if tokenizer_json is not None else None,
-            "reserved": list(RESERVED_TOKENS),
-            "byte_offset": BYTE_OFFSET if tokenizer == "bytes" else None,
-        },
-        "files": files,
-        "rows": len(lengths),
-        "tokens": int(offsets[-1]),
-        "skipped": [{"path": path, "why": why} for path, why in skipped],
-        "digest": digest.hexdigest(),
-    }
-    extra = {MANIFEST: (json.dumps(manifest, indent=2) + "\n").encode()}
-    if tokenizer_json is not None:
-        extra[TOKENIZER_FILE] = tokenizer_json.encode()
-    dataset = write_dataset(
-        out, lengths, rows_of, identity=f"{_FORMAT_TAG}:{digest.hexdigest()}", extra=extra
+    source = Source("text", [os.fspath(p) for p in paths], split=split, include=include, exclude=exclude)
+    made = make_dataset_from(
+        out,
+        source,
+        Options(mode="text", eos=eos, max_seq_len=max_seq_len),
+        tokenizer=tokenizer,
+        vocab_size=None if tokenizer == "bytes" else size,
+        workers=workers,
     )
-    return TextDataset(dataset, coder, files, tuple(skipped))
+    coder: TextTokenizer = ByteTokenizer()
+    if made.tokenizer.json is not None:
+        from tokenizers import Tokenizer
+
+        coder = BpeTokenizer(Tokenizer.from_str(made.tokenizer.json))
+    return TextDataset(made.dataset, coder, source.files, tuple(source.skipped))
