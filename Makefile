@@ -23,7 +23,7 @@ $(STAMP): $(SOURCES)
 $(RUN_STAMP): $(SOURCES)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e . -c constraints-dev.txt
+	$(BIN)/python -m pip install --quiet -e '.[server]' -c constraints-dev.txt
 	touch $(RUN_STAMP)
 
 setup: $(STAMP)
