@@ -9,6 +9,7 @@ order a resumed run receives.
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import json
 import tomllib
@@ -246,6 +247,11 @@ def _config_error(exc: ValidationError) -> ConfigError:
     first = exc.errors()[0]
     loc = ".".join(str(part) for part in first.get("loc", ())) or "config"
     message = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
+    if first.get("type") == "extra_forbidden":  # a misspelt key: name the field it most likely meant
+        known = sorted(ScheduleConfig.model_fields)
+        close = difflib.get_close_matches(loc, known, n=1, cutoff=0.6)
+        guess = f"did you mean {close[0]!r}? " if close else ""
+        message = f"is not a schedule setting; {guess}the settings are {known}"
     if loc == "config" and ":" in message:
         # model-level checks name their field at the start of the message
         loc, message = (part.strip() for part in message.split(":", 1))

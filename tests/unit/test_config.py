@@ -146,3 +146,14 @@ def test_a_job_of_an_earlier_algorithm_version_is_recognised() -> None:
     assert ScheduleConfig(bucket_bounds=PRODUCTION_BOUNDS).planned_by("b60d4fea68cbcee9") == 1
     assert ScheduleConfig(seed=1).planned_by("b60d4fea68cbcee9") is None, "another config is not"
     assert ScheduleConfig().planned_by(ScheduleConfig().fingerprint()) is None, "the current version"
+
+
+def test_a_misspelt_key_gets_a_did_you_mean() -> None:
+    with pytest.raises(
+        ConfigError, match=r"token_budjet: is not a schedule setting; did you mean 'token_budget'"
+    ):
+        ScheduleConfig.from_mapping({"token_budjet": 4096})
+    with pytest.raises(ConfigError) as info:
+        ScheduleConfig.from_mapping({"colour": "blue"})
+    assert "did you mean" not in str(info.value)
+    assert "'max_seq_len'" in str(info.value)  # the settings there are
