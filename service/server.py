@@ -412,7 +412,14 @@ def _check_port_free(host: str, port: int) -> None:
                 why = f"{host} is not an address of this machine ({reason}); give one it has, or 0.0.0.0"
                 raise ConfigError("host", why) from None
             if exc.errno in (errno.EADDRINUSE, errno.EACCES):
-                raise ConfigError("grpc_port", f"cannot listen on {_join(host, port)}: {reason}") from None
+                hint = (
+                    "; give another with --grpc-port (0: any free port)"
+                    if exc.errno == errno.EADDRINUSE
+                    else ""
+                )
+                raise ConfigError(
+                    "grpc_port", f"cannot listen on {_join(host, port)}: {reason}{hint}"
+                ) from None
 
 
 #: The signals that stop ``ladle serve``: the first gracefully, a second at once (no SIGHUP or

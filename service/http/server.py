@@ -15,6 +15,7 @@ closed, whether it just opened or its last response went out.
 
 from __future__ import annotations
 
+import errno
 import logging
 import socket
 import threading
@@ -124,7 +125,15 @@ def _bind(host: str, port: int) -> socket.socket:
         sock.listen(128)
     except OSError as exc:
         sock.close()
-        raise ConfigError("http_port", f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+        hint = (
+            "; give another with --http-port (0: any free port) or serve gRPC only with --no-http "
+            "(each replica on one host needs its own HTTP port)"
+            if exc.errno == errno.EADDRINUSE
+            else ""
+        )
+        raise ConfigError(
+            "http_port", f"cannot listen on {host}:{port}: {exc.strerror or exc}{hint}"
+        ) from None
     sock.set_inheritable(True)
     return sock
 

@@ -64,7 +64,9 @@ def test_a_second_server_on_the_same_grpc_port_refuses(
     first = server_factory()
     done = serve(small_dataset, tmp_path / "second.db", first.port)
     assert_one_line_refusal(
-        done, f"ladle: error: grpc_port: cannot listen on 127.0.0.1:{first.port}: address already in use"
+        done,
+        f"ladle: error: grpc_port: cannot listen on 127.0.0.1:{first.port}: address already in use; "
+        "give another with --grpc-port (0: any free port)",
     )
     assert first.proc is not None
     assert first.proc.poll() is None, "the first server stopped"
@@ -80,7 +82,9 @@ def test_a_grpc_port_held_by_another_program(small_dataset: Path, tmp_path: Path
         port = sock.getsockname()[1]
         done = serve(small_dataset, tmp_path / "state.db", port)
     assert_one_line_refusal(
-        done, f"ladle: error: grpc_port: cannot listen on 127.0.0.1:{port}: address already in use"
+        done,
+        f"ladle: error: grpc_port: cannot listen on 127.0.0.1:{port}: address already in use; "
+        "give another with --grpc-port (0: any free port)",
     )
 
 
