@@ -10,7 +10,7 @@ DATA := data
 SAMPLE := $(DATA)/sample
 DEMO_ROWS ?= 200000
 
-.PHONY: setup lock redis-server chromium demo test lint typecheck unit bench bench-full clean
+.PHONY: setup lock redis-server chromium demo test lint typecheck unit docs bench bench-full clean
 
 # Everything the tests, the benchmarks and the examples use (torch among them).
 $(STAMP): $(SOURCES)
@@ -71,9 +71,14 @@ TEST_WORKERS ?= 2
 unit: setup redis-server chromium
 	$(BIN)/python -m pytest -n $(TEST_WORKERS)
 
-# Everything CI runs: lint, types, the whole test suite (hypothesis in its
+# The references made from the code: docs/cli.md checked current, every flag the pages cite in a
+# `ladle` command checked to exist, and the API reference (pdoc, warnings as errors) in build/docs/api.
+docs: setup
+	$(BIN)/python docs/build.py --check --out build/docs
+
+# Everything CI runs: lint, types, the references, the whole test suite (hypothesis in its
 # short CI profile when CI=true).
-test: lint typecheck unit
+test: lint typecheck docs unit
 
 bench: setup redis-server
 	$(BIN)/python -m benchmarks.run
