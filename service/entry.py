@@ -14,7 +14,6 @@ SERVER_MODULES = frozenset(
     {
         "pyarrow",
         "datasets",
-        "pydantic",
         "grpc_health",
         "redis",
         "fastapi",
