@@ -563,14 +563,14 @@ class ScheduleBatches:
     def __getitem__(self, i: int) -> dict[str, Any]:
         import torch
 
+        from benchmarks.padded import padded
         from ladle.service.assemble import Assembler
         from ladle.service.dataset import open_dataset
 
         if self.assembler is None:
             self.assembler = Assembler(open_dataset(self.dataset))
         rows, padded_len = self.steps[i]
-        # not released: the tensors keep the memory
-        b = self.assembler.assemble(rows, padded_len, max_len=self.config.max_seq_len)
+        b = padded(self.assembler, rows, padded_len, max_len=self.config.max_seq_len)
         mask = (np.arange(padded_len, dtype=np.int32)[None, :] < b.lengths[:, None]).astype(np.int8)
         arrays = {
             "input_ids": b.input_ids,
