@@ -31,8 +31,8 @@ Every figure is printed beside a baseline measured in the same run, on
 2. delivered to a training loop: one rank of world size 1 takes batches as
    torch tensors from ``BatchClient(device="cpu")``, beside a local
    ``DataLoader(num_workers=2, batch_size=None)`` over a map-style dataset
-   whose item i is step i of the same schedule, assembled by ``Assembler``
-   with the same arrays (int32 input_ids, int8 loss_mask and attention mask).
+   whose item i is step i of the same schedule, gathered by ``Assembler``
+   (``benchmarks/padded.py``) into the same arrays (int32 input_ids, int8 loss_mask and attention mask).
    ``num_workers=0`` (the same assembly in the loop's process, no IPC) is
    shown as a reference, not a target.
 3. the time spent inside ``next()`` with a full prefetch window (the loop

@@ -13,6 +13,13 @@ from ._options import TLS_CERT_ENV, TLS_KEY_ENV, Subparsers
 # The gRPC health service's name for "ready to serve trainers" (ladle.proto.rpc.SERVICE).
 SERVICE_HEALTH: Final = "ladle.v1.BatchService"
 
+# BatchClient's TLS arguments, as `ladle health` names them (a flag, or the variable it defaults to)
+_TLS_FLAGS: Final = {
+    "root_certificates": "--tls-ca ($LADLE_TLS_CA)",
+    "client_certificate": f"--tls-cert (${TLS_CERT_ENV})",
+    "client_key": f"--tls-key (${TLS_KEY_ENV})",
+}
+
 
 def add_parser(sub: Subparsers) -> argparse.ArgumentParser:
     health = sub.add_parser(
@@ -48,14 +55,6 @@ def add_parser(sub: Subparsers) -> argparse.ArgumentParser:
         "(a probe inside the pod asks 127.0.0.1)",
     )
     return health
-
-
-# BatchClient's TLS arguments, as `ladle health` names them (a flag, or the variable it defaults to)
-_TLS_FLAGS: Final = {
-    "root_certificates": "--tls-ca ($LADLE_TLS_CA)",
-    "client_certificate": f"--tls-cert (${TLS_CERT_ENV})",
-    "client_key": f"--tls-key (${TLS_KEY_ENV})",
-}
 
 
 def run(args: argparse.Namespace) -> int:

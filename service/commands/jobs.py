@@ -10,7 +10,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from ..errors import JobNotFoundError, LadleError
+from ..errors import JobNotFoundError, LadleError, StoreCorruptError, StoreUnavailableError
 from ._options import DEFAULT_STATE, Subparsers, add_store_options, redis_url
 
 # `ladle jobs --delete` refuses a job with a rank seen this recently: its trainers are
@@ -40,7 +40,6 @@ def add_parser(sub: Subparsers) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..errors import StoreUnavailableError
     from ..store import DEFAULT_JOB_TTL_S, open_store
     from ..store.base import CursorStore
 
@@ -105,8 +104,6 @@ def _live_jobs(store: Any, names: Sequence[str], now: float) -> dict[str, float 
     A job whose stored record cannot be read is among them, with the error: whether its trainers
     run cannot be told, so only ``--force`` deletes it (its error says so).
     """
-    from ..errors import StoreCorruptError
-
     live: dict[str, float | LadleError] = {}
     for name in names:
         try:
