@@ -1,6 +1,8 @@
-"""``Assembler.assemble`` over one epoch of the production schedule, beside two baselines.
+"""The Assembler's gather over one epoch of the production schedule, beside two baselines.
 
-Every method builds the same padded batches (checked batch by batch on a
+The gather is the server's (``Assembler.pieces``), joined into padded arrays
+(``benchmarks/padded.py``), as a loader in the trainer would make them. Every
+method builds the same padded batches (checked batch by batch on a
 sample) from a production-mix dataset written by ``make_dataset``, in the same
 process and run, after one untimed pass each (so every method reads warm page
 cache). The baselines: the ``datasets`` library's own gather
@@ -32,7 +34,8 @@ import datasets
 import numpy as np
 import numpy.typing as npt
 
-from ladle.service.assemble import Assembler, Prefetcher
+from benchmarks.padded import Prefetcher, padded
+from ladle.service.assemble import Assembler
 from ladle.service.dataset import LOSS_MASK, TOKENS, TokenDataset
 from ladle.service.schedule import ScheduleConfig, build_schedule
 from ladle.service.synth import make_dataset
@@ -93,7 +96,7 @@ def take_gather(ds: TokenDataset) -> Callable[[I64, int], Batch]:
 
 def assembler_gather(asm: Assembler) -> Callable[[I64, int], None]:
     def gather(rows: I64, padded_len: int) -> None:
-        asm.assemble(rows, padded_len, PAD_ID).release()
+        padded(asm, rows, padded_len, PAD_ID)
 
     return gather
 
@@ -102,10 +105,9 @@ def prefetched(asm: Assembler, jobs: Jobs, workers: int, consume_s: float = 0.0)
     def run() -> None:
         work = ((i, rows, padded_len) for i, (rows, padded_len) in enumerate(jobs))
         with Prefetcher(asm, work, depth=4, workers=workers, pad_id=PAD_ID) as prefetch:
-            for _, batch in prefetch:
+            for _ in prefetch:
                 if consume_s:
                     time.sleep(consume_s)
-                batch.release()
 
     return run
 
@@ -113,20 +115,25 @@ def prefetched(asm: Assembler, jobs: Jobs, workers: int, consume_s: float = 0.0)
 def serial(asm: Assembler, jobs: Jobs, consume_s: float) -> Callable[[], None]:
     def run() -> None:
         for rows, padded_len in jobs:
-            batch = asm.assemble(rows, padded_len, PAD_ID)
+            padded(asm, rows, padded_len, PAD_ID)
             time.sleep(consume_s)
-            batch.release()
 
     return run
 
 
 def check_same(asm: Assembler, others: dict[str, Callable[[I64, int], Batch]], jobs: Jobs) -> None:
-    for rows, padded_len in jobs[:CHECKED]:
-        with asm.assemble(rows, padded_len, PAD_ID) as batch:
-            for name, gather in others.items():
-                ids, mask = gather(rows, padded_len)
-                if not (np.array_equal(ids, batch.input_ids) and np.array_equal(mask, batch.loss_mask)):
-                    raise AssertionError(f"{name} and the assembler built different batches")
+    work = ((i, rows, padded_len) for i, (rows, padded_len) in enumerate(jobs[:CHECKED]))
+    with Prefetcher(asm, work, depth=4, workers=2, pad_id=PAD_ID) as prefetch:
+        ahead = list(prefetch)
+    if [key for key, _ in ahead] != list(range(min(CHECKED, len(jobs)))):
+        raise AssertionError("the prefetcher's batches came out of order or went missing")
+    for (rows, padded_len), (_, early) in zip(jobs[:CHECKED], ahead, strict=True):
+        batch = padded(asm, rows, padded_len, PAD_ID)
+        built = {name: gather(rows, padded_len) for name, gather in others.items()}
+        built["the prefetcher"] = (early.input_ids, early.loss_mask)
+        for name, (ids, mask) in built.items():
+            if not (np.array_equal(ids, batch.input_ids) and np.array_equal(mask, batch.loss_mask)):
+                raise AssertionError(f"{name} and the assembler built different batches")
 
 
 def main(rows: int = 50_000, repeat: int = 3) -> dict[str, Any]:

@@ -31,8 +31,8 @@ Every figure is printed beside a baseline measured in the same run, on
 2. delivered to a training loop: one rank of world size 1 takes batches as
    torch tensors from ``BatchClient(device="cpu")``, beside a local
    ``DataLoader(num_workers=2, batch_size=None)`` over a map-style dataset
-   whose item i is step i of the same schedule, assembled by ``Assembler``
-   with the same arrays (int32 input_ids, int8 loss_mask and attention mask).
+   whose item i is step i of the same schedule, gathered by ``Assembler``
+   (``benchmarks/padded.py``) into the same arrays (int32 input_ids, int8 loss_mask and attention mask).
    ``num_workers=0`` (the same assembly in the loop's process, no IPC) is
    shown as a reference, not a target.
 3. the time spent inside ``next()`` with a full prefetch window (the loop
@@ -563,14 +563,14 @@ class ScheduleBatches:
     def __getitem__(self, i: int) -> dict[str, Any]:
         import torch
 
+        from benchmarks.padded import padded
         from ladle.service.assemble import Assembler
         from ladle.service.dataset import open_dataset
 
         if self.assembler is None:
             self.assembler = Assembler(open_dataset(self.dataset))
         rows, padded_len = self.steps[i]
-        # not released: the tensors keep the memory
-        b = self.assembler.assemble(rows, padded_len, max_len=self.config.max_seq_len)
+        b = padded(self.assembler, rows, padded_len, max_len=self.config.max_seq_len)
         mask = (np.arange(padded_len, dtype=np.int32)[None, :] < b.lengths[:, None]).astype(np.int8)
         arrays = {
             "input_ids": b.input_ids,

@@ -1,17 +1,11 @@
-"""Gathering and padding one batch straight from the memory-mapped Arrow buffers.
+"""A batch's frame, gathered and padded straight from the memory-mapped Arrow buffers.
 
-``Assembler.assemble`` copies each row of a batch with one slice copy from the
-zero-copy values buffer into a preallocated ``[rows, padded_len]`` array and
-fills only the padding tail, so a batch costs its own bytes plus a few Python
-operations per row, and building the assembler reads one int64 per row and no
-token page. The trade-off is a Python loop over the rows of a batch (a few
-dozen at most): on the production mix it ran 2.3-4x faster than an
-index-matrix ``np.take`` gather (``benchmarks/bench_assemble.py``).
-``Assembler.pieces`` gives the same batch as byte views to join, one per row
-and pad, so a frame can be joined straight from the mapped dataset (the
-server's path: one copy of each byte instead of two). ``Prefetcher`` runs the
-assembler on a small thread pool a bounded number of batches ahead of its
-consumer, in order.
+``Assembler.frame`` makes the wire frame of a batch with one copy of each
+token byte, from the mapped dataset into the frame (in C where
+``service/_frame.c`` is built, else by joining the views ``Assembler.pieces``
+gives); building the assembler reads one int64 per row and no token page.
+The trade-off is a Python loop over a batch's rows (a few dozen) where the
+compiled frame is not built.
 """
 
 from __future__ import annotations
@@ -19,11 +13,8 @@ from __future__ import annotations
 import logging
 import sys
 import threading
-from collections import deque
-from collections.abc import Iterable, Iterator
-from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
-from types import TracebackType
-from typing import Any, Generic, NamedTuple, NoReturn, TypeVar
+from collections.abc import Iterator
+from typing import Any, NamedTuple, NoReturn
 
 import numpy as np
 import numpy.typing as npt
@@ -57,55 +48,22 @@ class _NoMappedReadError(Exception):
 # a read of the mapped dataset in C that faulted (SIGBUS): a data file was cut under the mapping
 _MappedReadError: type[Exception] = getattr(_frame_c, "MappedReadError", _NoMappedReadError)
 
-__all__ = ["Assembler", "BatchBuffers", "BatchFrame", "BatchPieces", "Prefetcher", "check_values"]
+__all__ = ["Assembler", "BatchFrame", "BatchPieces", "check_values"]
 
 log = logging.getLogger("ladle.server")
 
 I8 = npt.NDArray[np.int8]
 I32 = npt.NDArray[np.int32]
 I64 = npt.NDArray[np.int64]
-K = TypeVar("K")
 
 _INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
-# Released buffers kept for reuse; a prefetcher needs depth + workers + 1 of them.
-DEFAULT_MAX_FREE = 8
-# Buffers grow in powers of two (at least these sizes), so a run of ever larger
-# batches reallocates a logarithmic number of times.
+# Shared pad rows grow in powers of two (from this size): ever wider batches reallocate rarely.
 _MIN_TOKEN_CAPACITY = 1 << 12
-_MIN_ROW_CAPACITY = 64
 # Distinct pad ids whose pad rows are cached (one in practice).
 _MAX_PAD_IDS = 4
 # Per row of a batch: chunk of input_ids, chunk of loss_mask, their start in
 # those chunks' values, and the row's length cut to max_len (at most padded_len).
 _Plan = Iterator[tuple[int, int, int, int, int]]
-
-
-class _Storage:
-    """Flat backing arrays of one batch; a ``BatchBuffers`` shows a prefix of them."""
-
-    __slots__ = (
-        "ids",
-        "ids_bytes",
-        "lengths",
-        "mask",
-        "mask_bytes",
-        "row_capacity",
-        "sample_ids",
-        "token_capacity",
-    )
-
-    def __init__(self, row_capacity: int, token_capacity: int) -> None:
-        self.row_capacity = row_capacity
-        self.token_capacity = token_capacity
-        self.ids: I32 = np.empty(token_capacity, dtype=np.int32)
-        self.mask: I8 = np.empty(token_capacity, dtype=np.int8)
-        self.lengths: I32 = np.empty(row_capacity, dtype=np.int32)
-        self.sample_ids: I64 = np.empty(row_capacity, dtype=np.int64)
-        self.ids_bytes = _byte_view(self.ids)
-        self.mask_bytes = _byte_view(self.mask)
-
-    def fits(self, rows: int, tokens: int) -> bool:
-        return rows <= self.row_capacity and tokens <= self.token_capacity
 
 
 _INT32 = (-(2**31), 2**31 - 1, "int32 (the wire's token ids)")
@@ -115,9 +73,9 @@ _INT8 = (-(2**7), 2**7 - 1, "int8 (the wire's loss mask)")
 class _Wide:
     """One batch's rows of columns wider than the wire's types, checked together at the end.
 
-    One ``min``/``max`` over the batch's values instead of two per row (the
-    per-row check doubled the slow path's time); a row is named only when
-    the batch holds a value that does not fit.
+    One ``min``/``max`` over the batch's values, not two per row (per-row
+    checks cost as much as the copy); a row is named only when the batch
+    holds a value that does not fit.
     """
 
     def __init__(self, asm: Assembler) -> None:
@@ -249,112 +207,15 @@ def _grow(need: int, floor: int) -> int:
     return max(floor, 1 << max(0, need - 1).bit_length())
 
 
-class _FreeList:
-    """Released storages, at most ``max_free`` of them, shared by the assembler's threads."""
-
-    def __init__(self, max_free: int) -> None:
-        self._lock = threading.Lock()
-        self._free: deque[_Storage] = deque()
-        self._max_free = max_free
-        self._row_capacity = _MIN_ROW_CAPACITY
-        self._token_capacity = _MIN_TOKEN_CAPACITY
-
-    def take(self, rows: int, tokens: int) -> _Storage:
-        with self._lock:
-            if rows > self._row_capacity:
-                self._row_capacity = _grow(rows, _MIN_ROW_CAPACITY)
-            if tokens > self._token_capacity:
-                self._token_capacity = _grow(tokens, _MIN_TOKEN_CAPACITY)
-            while self._free:
-                storage = self._free.pop()
-                if storage.fits(rows, tokens):
-                    return storage
-                # too small for this batch: outgrown, let it go
-            row_capacity, token_capacity = self._row_capacity, self._token_capacity
-        return _Storage(row_capacity, token_capacity)
-
-    def put(self, storage: _Storage) -> None:
-        with self._lock:
-            outgrown = (
-                storage.row_capacity < self._row_capacity or storage.token_capacity < self._token_capacity
-            )
-            if not outgrown and len(self._free) < self._max_free:
-                self._free.append(storage)
-
-    def __len__(self) -> int:
-        return len(self._free)
-
-
-class BatchBuffers:
-    """One padded batch: ``input_ids`` and ``loss_mask`` ``[rows, padded_len]``, C-contiguous.
-
-    ``input_ids`` is int32 (``pad_id`` after each row's tokens), ``loss_mask``
-    int8 (0 on padding), ``lengths`` int32 (each row's tokens in the batch,
-    ``min(length, padded_len)``) and ``sample_ids`` int64 (the dataset rows,
-    in the order asked for).
-
-    Ownership: the arrays belong to the caller and stay valid (no later
-    ``assemble`` writes them) until the caller calls ``release()``, or passes
-    this object as ``out=`` to ``assemble``, which overwrites it in place. After
-    ``release()`` the memory goes back to the assembler for reuse: drop every
-    reference to the arrays (copy out what must outlive it first). A batch
-    never released is simply garbage-collected; only reuse is lost. ``with
-    batch:`` releases on exit.
-    """
-
-    __slots__ = ("_free", "_released", "_storage", "input_ids", "lengths", "loss_mask", "sample_ids")
-
-    def __init__(self, storage: _Storage, free: _FreeList, rows: int, padded_len: int) -> None:
-        self._storage = storage
-        self._free = free
-        self._released = False
-        self._show(rows, padded_len)
-
-    def _show(self, rows: int, padded_len: int) -> None:
-        tokens = rows * padded_len
-        storage = self._storage
-        self.input_ids: I32 = storage.ids[:tokens].reshape(rows, padded_len)
-        self.loss_mask: I8 = storage.mask[:tokens].reshape(rows, padded_len)
-        self.lengths: I32 = storage.lengths[:rows]
-        self.sample_ids: I64 = storage.sample_ids[:rows]
-
-    @property
-    def released(self) -> bool:
-        return self._released
-
-    @property
-    def num_tokens(self) -> int:
-        """Real (unpadded, cut) tokens of the batch."""
-        return int(self.lengths.sum(dtype=np.int64))
-
-    def release(self) -> None:
-        """Hand the memory back for reuse by later batches; idempotent."""
-        if not self._released:
-            self._released = True
-            self._free.put(self._storage)
-
-    def __enter__(self) -> BatchBuffers:
-        return self
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.release()
-
-    def __repr__(self) -> str:
-        rows, padded_len = self.input_ids.shape
-        state = ", released" if self._released else ""
-        return f"BatchBuffers(rows={rows}, padded_len={padded_len}{state})"
-
-
 class BatchPieces(NamedTuple):
     """One padded batch as byte pieces (``Assembler.pieces``): views, row by row, to join.
 
     ``input_ids`` joined is the little-endian int32 ``[rows, padded_len]``
     array's bytes and ``loss_mask`` joined the int8 one's (each row's tokens,
-    then its padding); ``lengths`` (int32) and ``sample_ids`` (int64) are as
-    in ``BatchBuffers``. The pieces are read-only views of the memory-mapped
-    dataset and of shared pad rows: nothing to release.
+    then its padding); ``lengths`` (int32) holds each row's tokens in the
+    batch (``min(length, padded_len)``) and ``sample_ids`` (int64) the
+    dataset rows, in the order asked for. The pieces are read-only views of
+    the memory-mapped dataset and of shared pad rows: nothing to release.
     """
 
     input_ids: list[memoryview]
@@ -428,7 +289,7 @@ class Assembler:
     Holds the zero-copy numpy views of every Arrow chunk's values, one int64
     offset per row (``num_rows + 1`` of them) and a few integers per chunk:
     memory O(rows), never O(tokens), and building it reads no token page.
-    ``assemble`` is thread-safe.
+    ``pieces`` and ``frame`` are thread-safe.
 
     Tokens are expected to be int32 already (the fast path, a plain copy);
     other integer widths are converted by the same per-row copy, and a
@@ -443,9 +304,7 @@ class Assembler:
     ``DatasetError``, as ``open_dataset`` refuses them.
     """
 
-    def __init__(self, dataset: TokenDataset, *, max_free: int = DEFAULT_MAX_FREE) -> None:
-        if max_free < 0:
-            raise ValueError(f"max_free must be >= 0, got {max_free}")
+    def __init__(self, dataset: TokenDataset) -> None:
         self.dataset = dataset
         self.num_rows = int(dataset.num_rows)
         offsets = np.zeros(self.num_rows + 1, dtype=np.int64)
@@ -469,13 +328,13 @@ class Assembler:
         self._ids_wide = [not np.can_cast(v.dtype, np.int32) for v in self._ids]
         stored = self._mask_from == "loss_mask"  # a derived mask is 0 or 1: nothing to check
         self._mask_wide = [stored and not np.can_cast(m.dtype, np.int8) for m in self._mask]
-        self._byte_copy = (
+        # byte pieces go to the wire as they are (little-endian int32 ids, int8 masks)
+        self._wire_bytes = (
             stored
+            and sys.byteorder == "little"
             and all(v.dtype == np.int32 for v in self._ids)
             and all(m.dtype == np.int8 for m in self._mask)
         )
-        # byte pieces go to the wire as they are (little-endian int32 ids, int8 masks)
-        self._wire_bytes = self._byte_copy and sys.byteorder == "little"
         self._ids_bytes = [_byte_view(v) for v in self._ids]
         # what the compiled plan reads of each row: its offsets, and its chunks' first rows and deltas
         self._tables = (
@@ -514,70 +373,34 @@ class Assembler:
         self._pad_lock = threading.Lock()
         self._pad_rows: dict[int, memoryview] = {}
         self._pad_mask = _byte_view(np.zeros(_MIN_TOKEN_CAPACITY, dtype=np.int8))
-        self._free = _FreeList(max_free)
         self._reported: set[str] = set()  # dataset changes already logged
 
-    @property
-    def free_buffers(self) -> int:
-        """Released buffers waiting for reuse."""
-        return len(self._free)
+    def pieces(
+        self, rows: npt.ArrayLike, padded_len: int, pad_id: int = 0, *, max_len: int | None = None
+    ) -> BatchPieces:
+        """The batch of dataset ``rows`` (1-D integers, in order) padded to ``padded_len``, as byte pieces.
 
-    def assemble(
-        self,
-        rows: npt.ArrayLike,
-        padded_len: int,
-        pad_id: int = 0,
-        out: BatchBuffers | None = None,
-        *,
-        max_len: int | None = None,
-    ) -> BatchBuffers:
-        """The batch of dataset ``rows`` (1-D integers, in this order), each padded to ``padded_len``.
+        No token is copied. Each row is a view of its tokens in the
+        memory-mapped values buffer and, when it is shorter than
+        ``padded_len``, a view of a shared pad row of ``pad_id``:
+        ``b"".join`` of ``input_ids`` gives the little-endian int32
+        ``[rows, padded_len]`` array's bytes, of ``loss_mask`` the int8 one's
+        (0 on padding). Joining them straight into a frame
+        (``codec.encode_batch_pieces``) copies each byte once. Token or mask
+        columns of another dtype (or a big-endian machine) are converted row
+        by row, a copy each. The views stay valid as long as the dataset.
 
         Rows longer than ``max_len`` (the config's ``max_seq_len``; None or
         above ``padded_len``: ``padded_len``) are cut to their first
         ``max_len`` tokens. The schedule's ``padded_len`` is the longest cut
         length rounded up to ``pad_to_multiple_of``, so it can exceed
-        ``max_seq_len``: the cut is not the width. ``out``, when given, is overwritten and
-        returned (its arrays grow if the batch does not fit); otherwise the
-        arrays come from a released batch when one fits, else are allocated.
+        ``max_seq_len``: the cut is not the width.
 
         Raises ``ValueError`` for rows outside ``[0, num_rows)``, a
-        ``padded_len`` or ``max_len`` below 1, a ``pad_id`` outside int32 or a released ``out``,
+        ``padded_len`` or ``max_len`` below 1 or a ``pad_id`` outside int32,
+        ``DatasetError`` for a row whose values do not fit the wire's types,
         and ``DatasetChangedError`` (logged once) when a data file changed on
         disk since the dataset was opened: no token page is read then.
-        """
-        row_ids, width, limit, pad = self._checked(rows, padded_len, max_len, pad_id)
-        count = len(row_ids)
-        tokens = count * width
-        if out is None:
-            batch = BatchBuffers(self._free.take(count, tokens), self._free, count, width)
-        else:
-            if out.released:
-                raise ValueError("out was released; its memory may already hold another batch")
-            if not out._storage.fits(count, tokens):
-                out._storage = self._free.take(count, tokens)
-            out._show(count, width)
-            batch = out
-        self._fill(batch._storage, row_ids, width, limit, pad)
-        return batch
-
-    def pieces(
-        self, rows: npt.ArrayLike, padded_len: int, pad_id: int = 0, *, max_len: int | None = None
-    ) -> BatchPieces:
-        """The batch ``assemble(rows, padded_len, pad_id, max_len=max_len)`` makes, as byte pieces to join.
-
-        No token is copied.
-
-        Each row is a view of its tokens in the memory-mapped values buffer
-        and, when it is shorter than ``padded_len``, a view of a shared pad
-        row: ``b"".join`` of ``input_ids`` gives the little-endian int32
-        ``[rows, padded_len]`` array's bytes, of ``loss_mask`` the int8 one's.
-        Joining them straight into a frame (``codec.encode_batch_pieces``)
-        copies each byte once, where ``assemble`` and ``encode_batch`` copy it
-        twice, and the per-row slicing is half as much Python. Token or mask
-        columns of another dtype (or a big-endian machine) are converted row
-        by row, a copy each. The views stay valid as long as the dataset.
-        Raises as ``assemble``.
         """
         row_ids, width, limit, pad = self._checked(rows, padded_len, max_len, pad_id)
         cut, plan = self._plan(row_ids, limit)
@@ -752,7 +575,7 @@ class Assembler:
         array = np.asarray(rows)
         if array.ndim != 1:
             raise ValueError(f"rows must be a 1-D array of row indices, got shape {array.shape}")
-        if array.size and array.dtype.kind not in "iu":  # np.issubdtype(.., np.integer), 1 us less
+        if array.size and array.dtype.kind not in "iu":  # the kind, not np.issubdtype: cheaper
             raise ValueError(f"rows must be integers, got dtype {array.dtype}")
         row_ids = array.astype(np.int64, copy=False)
         if bounds and row_ids.size:
@@ -761,16 +584,6 @@ class Assembler:
                 bad = low if low < 0 else high
                 raise ValueError(f"row {bad} is outside the dataset's rows [0, {self.num_rows})")
         return row_ids
-
-    def _fill(self, storage: _Storage, rows: I64, width: int, limit: int, pad: int) -> None:
-        count = len(rows)
-        cut, plan = self._plan(rows, limit)
-        storage.lengths[:count] = cut
-        storage.sample_ids[:count] = rows
-        if self._byte_copy:
-            self._copy_bytes(storage, plan, width, pad)
-        else:
-            self._copy_cast(storage, rows, plan, width, pad)
 
     def _plan(self, rows: I64, limit: int) -> tuple[I64, _Plan]:
         """Each row's length cut to ``limit``, and where each row's tokens and mask start."""
@@ -796,41 +609,6 @@ class Assembler:
         mask_at = (starts + self._mask_delta[mask_chunk]).astype(np.int64, copy=False)
         return cut, ids_chunk, mask_chunk, ids_at, mask_at
 
-    def _copy_bytes(self, storage: _Storage, plan: _Plan, width: int, pad: int) -> None:
-        """int32 tokens and int8 masks: memoryview slice copies, a plain memcpy per slice.
-
-        They cost about half of numpy's slice assignment per call, and per-call
-        overhead, not bytes, dominates a batch.
-        """
-        ids_src, mask_src = self._ids_bytes, self._mask_bytes
-        ids_out, mask_out = storage.ids_bytes, storage.mask_bytes
-        pad_ids, pad_mask = self._pads(pad, width)
-        begin = 0
-        for c, cm, p, q, n in plan:
-            end = begin + n
-            ids_out[4 * begin : 4 * end] = ids_src[c][4 * p : 4 * (p + n)]
-            mask_out[begin:end] = mask_src[cm][q : q + n]
-            if n < width:
-                tail = width - n
-                ids_out[4 * end : 4 * (begin + width)] = pad_ids[: 4 * tail]
-                mask_out[end : begin + width] = pad_mask[:tail]
-            begin += width
-
-    def _copy_cast(self, storage: _Storage, rows: I64, plan: _Plan, width: int, pad: int) -> None:
-        """Other integer widths: numpy slice assignment, which converts while it copies."""
-        ids, mask = storage.ids, storage.mask
-        wide = _Wide(self)
-        begin = 0
-        for row, (c, cm, p, q, n) in zip(rows.tolist(), plan, strict=True):
-            end = begin + n
-            ids[begin:end], mask[begin:end] = wide.row(row, c, cm, p, q, n)
-            if n < width:
-                stop = begin + width
-                ids[end:stop] = pad
-                mask[end:stop] = 0
-            begin += width
-        wide.check()
-
     def _pads(self, pad: int, width: int) -> tuple[memoryview, memoryview]:
         """Byte views of at least ``width`` pad tokens and ``width`` zero mask bytes."""
         ids = self._pad_rows.get(pad)
@@ -855,116 +633,3 @@ def _check_int(name: str, value: Any, low: int, high: int | None) -> int:
         span = f">= {low}" if high is None else f"in [{low}, {high}]"
         raise ValueError(f"{name} must be {span}, got {number}")
     return number
-
-
-class Prefetcher(Generic[K]):
-    """Assembles ``jobs`` ahead on a thread pool and yields ``(key, BatchBuffers)`` in job order.
-
-    At most ``depth`` batches beyond the one the consumer is waiting for are
-    queued or ready, so a slow consumer holds back the work (and the memory)
-    instead of letting it pile up; jobs are pulled from the iterable lazily, on
-    the consumer's thread. An exception (from the jobs iterable or from
-    assembling a job) is raised where that job's batch would have been
-    yielded, after every earlier batch, and ends the iteration. ``close()``
-    cancels the queued work at once (a job already running finishes on its own
-    and its batch is released), is idempotent and may be called from any
-    thread; ``with Prefetcher(...)`` closes on exit. The consumer owns every
-    batch it is handed (see ``BatchBuffers``); batches never handed out are
-    released here.
-    """
-
-    def __init__(
-        self,
-        assembler: Assembler,
-        jobs: Iterable[tuple[K, npt.ArrayLike, int]],
-        depth: int = 4,
-        workers: int = 2,
-        *,
-        pad_id: int = 0,
-    ) -> None:
-        _check_int("depth", depth, 1, None)
-        _check_int("workers", workers, 1, None)
-        _check_int("pad_id", pad_id, _INT32_MIN, _INT32_MAX)
-        self._assembler = assembler
-        self._jobs: Iterator[tuple[K, npt.ArrayLike, int]] | None = iter(jobs)
-        self._depth = int(depth)
-        self._pad_id = int(pad_id)
-        self._lock = threading.RLock()
-        self._pending: deque[tuple[K, Future[BatchBuffers]]] = deque()
-        self._job_error: Exception | None = None
-        self._closed = False
-        self._executor = ThreadPoolExecutor(max_workers=int(workers), thread_name_prefix="ladle-assemble")
-
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
-    def _top_up(self, size: int) -> None:
-        """Pull and submit jobs until ``size`` are pending or the jobs run out (lock held)."""
-        while self._jobs is not None and len(self._pending) < size:
-            try:
-                key, rows, padded_len = next(self._jobs)
-            except StopIteration:
-                self._jobs = None
-                break
-            except Exception as exc:  # raised in order, once the batches already queued are out
-                self._jobs = None
-                self._job_error = exc
-                break
-            future = self._executor.submit(self._assembler.assemble, rows, padded_len, self._pad_id)
-            self._pending.append((key, future))
-
-    def __iter__(self) -> Prefetcher[K]:
-        return self
-
-    def __next__(self) -> tuple[K, BatchBuffers]:
-        with self._lock:
-            if self._closed:
-                raise StopIteration
-            self._top_up(self._depth + 1)
-            if not self._pending:
-                error, self._job_error = self._job_error, None
-                self.close()
-                if error is not None:
-                    raise error
-                raise StopIteration
-            key, future = self._pending.popleft()
-            self._top_up(self._depth)
-        try:
-            batch = future.result()
-        except CancelledError:
-            raise StopIteration from None  # closed by another thread meanwhile
-        except BaseException:
-            self.close()
-            raise
-        if self.closed:  # closed by another thread while this batch was being made
-            batch.release()
-            raise StopIteration
-        return key, batch
-
-    def close(self) -> None:
-        """Cancel queued work and release prepared batches; idempotent, any thread."""
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            self._jobs = None
-            pending = list(self._pending)
-            self._pending.clear()
-        for _, future in pending:
-            if not future.cancel():
-                future.add_done_callback(_release_result)
-        self._executor.shutdown(wait=False, cancel_futures=True)
-
-    def __enter__(self) -> Prefetcher[K]:
-        return self
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.close()
-
-
-def _release_result(future: Future[BatchBuffers]) -> None:
-    if not future.cancelled() and future.exception() is None:
-        future.result().release()

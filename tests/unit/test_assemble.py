@@ -1,14 +1,11 @@
-"""Assembler (gather + pad from the Arrow buffers) and Prefetcher (ordered, bounded read-ahead)."""
+"""Assembler: a batch's pieces and frame, gathered and padded from the Arrow buffers, against a reference."""
 
 from __future__ import annotations
 
 import gc
 import itertools
 import shutil
-import threading
-import time
 import tracemalloc
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +20,7 @@ from hypothesis import strategies as st
 
 from ladle.proto import codec
 from ladle.service import assemble
-from ladle.service.assemble import Assembler, BatchBuffers, Prefetcher
+from ladle.service.assemble import Assembler
 from ladle.service.dataset import TokenDataset, open_dataset
 from ladle.service.errors import DatasetError
 from ladle.service.schedule import ScheduleConfig, build_schedule
@@ -63,23 +60,6 @@ def reference(
 
 
 def assert_matches(
-    batch: BatchBuffers, ds: TokenDataset, rows: npt.ArrayLike, padded_len: int, pad_id: int = 0
-) -> None:
-    ids, mask, lengths = reference(ds, rows, padded_len, pad_id)
-    assert batch.input_ids.dtype == np.int32, "input_ids is not int32"
-    assert batch.loss_mask.dtype == np.int8, "loss_mask is not int8"
-    assert batch.input_ids.shape == ids.shape, "wrong batch shape"
-    assert batch.loss_mask.shape == ids.shape, "wrong loss_mask shape"
-    assert batch.input_ids.flags.c_contiguous, "input_ids not C-contiguous"
-    assert batch.loss_mask.flags.c_contiguous, "loss_mask not C-contiguous"
-    assert batch.input_ids.tobytes() == ids.tobytes(), "input_ids differ from the reference"
-    assert batch.loss_mask.tobytes() == mask.tobytes(), "loss_mask differs from the reference"
-    assert batch.lengths.tobytes() == lengths.tobytes(), "lengths differ from the reference"
-    assert batch.sample_ids.dtype == np.int64, "sample_ids is not int64"
-    assert batch.sample_ids.tolist() == np.asarray(rows).tolist(), "sample_ids are not the rows"
-
-
-def assert_pieces_match(
     asm: Assembler,
     ds: TokenDataset,
     rows: npt.ArrayLike,
@@ -87,7 +67,7 @@ def assert_pieces_match(
     pad_id: int = 0,
     max_len: int | None = None,
 ) -> None:
-    """``Assembler.pieces`` joined gives the reference arrays' little-endian bytes."""
+    """``Assembler.pieces`` joined gives the reference arrays' little-endian bytes, and the frame the same."""
     ids, mask, lengths = reference(ds, rows, padded_len, pad_id, max_len)
     pieces = asm.pieces(rows, padded_len, pad_id, max_len=max_len)
     assert b"".join(pieces.input_ids) == ids.astype("<i4").tobytes(), "input_ids pieces differ"
@@ -98,6 +78,18 @@ def assert_pieces_match(
     assert pieces.num_tokens == int(lengths.sum()), "num_tokens is not the sum of lengths"
     if len(pieces.lengths):
         assert_frame_matches(asm, rows, padded_len, pad_id, max_len)
+        decoded = served(asm, rows, padded_len, pad_id, max_len)
+        assert decoded.input_ids.tobytes() == ids.tobytes(), "the frame's input_ids differ"
+        assert decoded.loss_mask.tobytes() == mask.tobytes(), "the frame's loss_mask differs"
+        assert decoded.lengths.tobytes() == lengths.tobytes(), "the frame's lengths differ"
+        assert decoded.sample_ids.tolist() == np.asarray(rows).tolist(), "the frame's sample_ids differ"
+
+
+def served(
+    asm: Assembler, rows: npt.ArrayLike, padded_len: int, pad_id: int = 0, max_len: int | None = None
+) -> codec.DecodedBatch:
+    """The batch as the server sends it (``Assembler.frame``), decoded as a trainer reads it."""
+    return codec.decode_batch(asm.frame(rows, padded_len, pad_id=pad_id, max_len=max_len, **FIELDS).data)
 
 
 FIELDS: dict[str, Any] = {"epoch": 3, "step": 70000, "rank": 1, "bucket": 2, "schedule_fingerprint": "0f" * 8}
@@ -244,8 +236,7 @@ def test_matches_reference_on_synthetic_rows(synth: TokenDataset) -> None:
     for _ in range(40):
         rows = np.sort(rng.choice(synth.num_rows, size=int(rng.integers(1, 65)), replace=False))
         padded_len = int(synth.lengths[rows].max()) + int(rng.integers(0, 5))
-        assert_matches(asm.assemble(rows, padded_len), synth, rows, padded_len)
-        assert_pieces_match(asm, synth, rows, padded_len)
+        assert_matches(asm, synth, rows, padded_len)
 
 
 def test_matches_reference_across_shards(shards: TokenDataset) -> None:
@@ -253,12 +244,11 @@ def test_matches_reference_across_shards(shards: TokenDataset) -> None:
     chunk_rows = np.cumsum([len(c) for c in shards.table.column("input_ids").chunks])[:-1]
     edges = np.unique(np.r_[0, chunk_rows - 1, chunk_rows, shards.num_rows - 1])
     padded_len = int(shards.lengths.max())
-    assert_matches(asm.assemble(edges, padded_len), shards, edges, padded_len)
+    assert_matches(asm, shards, edges, padded_len)
     rng = np.random.default_rng(1)
     for _ in range(30):
         rows = rng.integers(0, shards.num_rows, size=int(rng.integers(1, 40)))  # any order, repeats
-        assert_matches(asm.assemble(rows, padded_len, pad_id=-1), shards, rows, padded_len, pad_id=-1)
-        assert_pieces_match(asm, shards, rows, padded_len, pad_id=-1)
+        assert_matches(asm, shards, rows, padded_len, pad_id=-1)
 
 
 def test_serves_a_whole_schedule_epoch(synth: TokenDataset) -> None:
@@ -268,12 +258,10 @@ def test_serves_a_whole_schedule_epoch(synth: TokenDataset) -> None:
     for step in range(sched.num_steps):
         for rank in range(sched.world_size):
             rows, padded_len = sched.samples(step, rank), sched.padded_len(step, rank)
-            with asm.assemble(rows, padded_len) as batch:
-                assert_matches(batch, synth, rows, padded_len)
-                assert batch.lengths.tolist() == sched.lengths(step, rank).tolist(), (
-                    "lengths != schedule's cut"
-                )
-                seen.append(rows)
+            assert_matches(asm, synth, rows, padded_len)
+            batch = served(asm, rows, padded_len)
+            assert batch.lengths.tolist() == sched.lengths(step, rank).tolist(), "lengths != schedule's cut"
+            seen.append(rows)
     assert len(np.unique(np.concatenate(seen))) == len(sched.scheduled_rows()), "missing samples"
 
 
@@ -281,9 +269,8 @@ def test_truncates_rows_longer_than_padded_len(synth: TokenDataset) -> None:
     asm = Assembler(synth)
     rows = np.argsort(synth.lengths)[-8:]  # the longest rows
     for padded_len in (1, 7, int(synth.lengths[rows].min()) - 1):
-        batch = asm.assemble(rows, padded_len)
-        assert_matches(batch, synth, rows, padded_len)
-        assert (batch.lengths == padded_len).all(), "rows were not cut to padded_len"
+        assert_matches(asm, synth, rows, padded_len)
+        assert (served(asm, rows, padded_len).lengths == padded_len).all(), "rows were not cut to padded_len"
 
 
 @pytest.mark.parametrize("compiled", [True, False])
@@ -299,17 +286,19 @@ def test_rows_are_cut_to_max_len_when_the_width_is_more(
     assert int(synth.lengths[rows].min()) > 16
     for padded_len, max_len in [(16, 10), (16, 16), (16, 40), (9, 1), (64, 63)]:
         cut = min(padded_len, max_len)
-        batch = asm.assemble(rows, padded_len, max_len=max_len)
+        batch = served(asm, rows, padded_len, max_len=max_len)
         ids, mask, _ = reference(synth, rows, padded_len, 0, max_len)
         assert batch.input_ids.tobytes() == ids.tobytes(), (padded_len, max_len)
         assert batch.loss_mask.tobytes() == mask.tobytes(), (padded_len, max_len)
         assert (batch.lengths == cut).all(), "rows were not cut to max_len"
         assert (batch.input_ids[:, cut:] == 0).all(), "past max_len is not padding"
-        assert_pieces_match(asm, synth, rows, padded_len, 0, max_len)  # and the frame, by both paths
+        assert_matches(asm, synth, rows, padded_len, 0, max_len)  # and the frame, by both paths
         frame = asm.frame(rows, padded_len, max_len=max_len, **FIELDS)
         assert frame.real_tokens == cut * len(rows)
     with pytest.raises(ValueError, match="max_len"):
-        asm.assemble(rows, 16, max_len=0)
+        asm.pieces(rows, 16, max_len=0)
+    with pytest.raises(ValueError, match="max_len"):
+        asm.frame(rows, 16, max_len=0, **FIELDS)
     if compiled and assemble._build is not None:  # most batches are narrower than max_seq_len
         fast = Assembler(synth)
 
@@ -325,8 +314,8 @@ def test_pad_id_and_padding_mask(shards: TokenDataset) -> None:
     rows = np.arange(10)
     padded_len = int(shards.lengths[rows].max()) + 3
     for pad_id in (0, 7, -1, 2**31 - 1, -(2**31)):
-        batch = asm.assemble(rows, padded_len, pad_id=pad_id)
-        assert_matches(batch, shards, rows, padded_len, pad_id)
+        assert_matches(asm, shards, rows, padded_len, pad_id)
+        batch = served(asm, rows, padded_len, pad_id)
         tail = np.arange(padded_len)[None, :] >= batch.lengths[:, None]
         assert (batch.input_ids[tail] == pad_id).all(), "padding is not pad_id"
         assert (batch.loss_mask[tail] == 0).all(), "loss_mask is not 0 on padding"
@@ -336,7 +325,7 @@ def test_padding_wider_than_the_first_buffers(synth: TokenDataset) -> None:
     asm = Assembler(synth)
     rows = np.arange(3)
     for padded_len, pad_id in [(10, 1), (5000, 2), (9000, 1), (300, 3), (20_000, 4), (17, 5), (9000, 2)]:
-        assert_matches(asm.assemble(rows, padded_len, pad_id), synth, rows, padded_len, pad_id)
+        assert_matches(asm, synth, rows, padded_len, pad_id)
 
 
 @pytest.mark.parametrize(
@@ -364,9 +353,7 @@ def test_other_integer_widths_are_converted(tmp_path: Path, token_type: str, mas
     ds = save(tmp_path / "ds", {"input_ids": rows, "loss_mask": masks}, features, num_shards=2)
     asm = Assembler(ds)
     picks = np.array([0, 5, 29, 30, 31, 59])
-    assert_matches(asm.assemble(picks, 40, pad_id=3), ds, picks, 40, pad_id=3)
-    assert_pieces_match(asm, ds, picks, 40, pad_id=3)
-    assert_frame_matches(asm, picks, 40, pad_id=3)
+    assert_matches(asm, ds, picks, 40, pad_id=3)
     if assemble._build is not None:  # every integer type is converted in C
         assert asm._build_kinds is not None, f"{token_type} ids did not take the one-call frame"
 
@@ -405,9 +392,9 @@ def test_values_that_do_not_fit_the_wire_are_refused_not_wrapped(
     ds = save(tmp_path / "ds", typed, features)
     asm = Assembler(ds)
     fine = np.array([0, 2])
-    assert_matches(asm.assemble(fine, 4), ds, fine, 4)  # the other rows still serve
+    assert_matches(asm, ds, fine, 4)  # the other rows still serve
     for make in (
-        lambda: asm.assemble(np.array([0, 1]), 4),
+        lambda: asm.pieces(np.array([0, 1]), 4),
         lambda: asm.pieces(np.array([1]), 4),
         lambda: asm.frame(np.array([2, 1]), 4, epoch=0, step=0, rank=0, bucket=0, schedule_fingerprint="f"),
     ):
@@ -422,7 +409,7 @@ def test_inferred_types_match(tmp_path: Path) -> None:
     # datasets infers int32 for a column named input_ids, int64 for other Python ints
     assert pa.types.is_int64(ds.table.schema.field("loss_mask").type.value_type)
     picks = np.arange(50)
-    assert_matches(Assembler(ds).assemble(picks, 45), ds, picks, 45)
+    assert_matches(Assembler(ds), ds, picks, 45)
 
 
 def test_sliced_chunks_and_different_chunkings() -> None:
@@ -439,8 +426,8 @@ def test_sliced_chunks_and_different_chunkings() -> None:
         ds = in_memory(table)
         asm = Assembler(ds)
         every = np.arange(50)
-        assert_matches(asm.assemble(every, 20), ds, every, 20)
-        assert_matches(asm.assemble(every[::-1], 5, pad_id=9), ds, every[::-1], 5, pad_id=9)
+        assert_matches(asm, ds, every, 20)
+        assert_matches(asm, ds, every[::-1], 5, pad_id=9)
 
 
 @given(
@@ -480,8 +467,7 @@ def test_property_matches_reference(
     )
     ds = in_memory(table)
     picks = rng.integers(0, num_rows, size=int(rng.integers(0, 40)))
-    assert_matches(Assembler(ds).assemble(picks, padded_len, pad_id), ds, picks, padded_len, pad_id)
-    assert_pieces_match(Assembler(ds), ds, picks, padded_len, pad_id)
+    assert_matches(Assembler(ds), ds, picks, padded_len, pad_id)
 
 
 @pytest.mark.skipif(not (shutil.which("cc") or shutil.which("gcc")), reason="no C compiler here")
@@ -554,10 +540,17 @@ def test_the_compiled_plan_refuses_rows_outside_the_dataset(synth: TokenDataset)
 
 
 def test_batch_frame_head_checks_its_fields() -> None:
-    head, gap = codec.batch_frame_head(rows=2, padded_len=8, real_tokens=9, **FIELDS)
-    lengths, samples = np.array([4, 5], dtype=np.int32), np.array([0, 1], dtype=np.int64)
-    parts = codec.batch_frame_parts(padded_len=8, lengths=lengths, sample_ids=samples, **FIELDS)
-    assert (head, gap) == (parts.head, parts.gap)
+    head, gap = codec.batch_frame_head(rows=1, padded_len=9, real_tokens=9, **FIELDS)
+    assert len(gap) == 4, "36 bytes of ids need 4 of gap before the int64 sample ids"
+    frame = codec.encode_batch(
+        input_ids=np.zeros((1, 9), dtype=np.int32),
+        loss_mask=np.zeros((1, 9), dtype=np.int8),
+        lengths=np.array([9], dtype=np.int32),
+        sample_ids=np.array([0], dtype=np.int64),
+        **FIELDS,
+    )
+    assert frame.startswith(head), "the head is not encode_batch's"
+    assert frame[len(head) + 36 : len(head) + 40] == gap, "the gap is not encode_batch's"
     good: dict[str, Any] = {"rows": 2, "padded_len": 8, "real_tokens": 9, **FIELDS}
     for change in ({"rows": 0}, {"padded_len": 0}, {"real_tokens": 17}, {"real_tokens": -1}, {"rows": -2}):
         with pytest.raises(codec.WireFormatError):
@@ -571,7 +564,7 @@ def test_the_compiled_frame_checks_every_slice(synth: TokenDataset) -> None:
     c = assemble._frame_c
     rows = np.array([0, 1], dtype=np.int64)
     cut, ids_chunk, mask_chunk, ids_at, mask_at = asm._where(rows, 8)
-    parts = codec.batch_frame_parts(padded_len=8, lengths=cut.astype(np.int32), sample_ids=rows, **FIELDS)
+    head, gap = codec.batch_frame_head(rows=2, padded_len=8, real_tokens=int(cut.sum()), **FIELDS)
 
     def call(**change: Any) -> bytes:
         args = {
@@ -581,10 +574,10 @@ def test_the_compiled_frame_checks_every_slice(synth: TokenDataset) -> None:
         args.update(change)
         return bytes(
             c.frame(
-                parts.head,
-                parts.gap,
-                parts.sample_ids,
-                parts.lengths,
+                head,
+                gap,
+                rows,
+                cut.astype(np.int32),
                 asm._ids_bytes,
                 asm._mask_bytes,
                 args["ids_chunk"],
@@ -616,9 +609,11 @@ def test_the_compiled_frame_checks_every_slice(synth: TokenDataset) -> None:
 
 
 def test_empty_row_set(synth: TokenDataset) -> None:
-    batch = Assembler(synth).assemble(np.zeros(0, dtype=np.int64), 16)
-    assert batch.input_ids.shape == (0, 16), "an empty batch has the wrong shape"
-    assert batch.num_tokens == 0
+    pieces = Assembler(synth).pieces(np.zeros(0, dtype=np.int64), 16)
+    assert pieces.input_ids == [], "an empty batch has token pieces"
+    assert pieces.loss_mask == [], "an empty batch has mask pieces"
+    assert len(pieces.lengths) == 0, "an empty batch has lengths"
+    assert pieces.num_tokens == 0
 
 
 # --- validation ------------------------------------------------------------
@@ -643,7 +638,7 @@ def test_bad_arguments_are_refused(
     synth: TokenDataset, rows: Any, padded_len: Any, pad_id: Any, message: str
 ) -> None:
     with pytest.raises(ValueError, match=message):
-        Assembler(synth).assemble(np.asarray(rows), padded_len, pad_id)
+        Assembler(synth).pieces(np.asarray(rows), padded_len, pad_id)
 
 
 def test_bool_and_float_columns_are_refused() -> None:
@@ -665,60 +660,6 @@ def test_lengths_that_disagree_with_the_offsets_are_refused() -> None:
     wrong = TokenDataset(ds.path, 2, np.array([2, 2], dtype=np.int64), ds.fingerprint, False, table)
     with pytest.raises(DatasetError, match="lengths"):
         Assembler(wrong)
-
-
-# --- ownership and reuse ---------------------------------------------------
-
-
-def test_a_held_batch_is_never_overwritten(synth: TokenDataset) -> None:
-    asm = Assembler(synth)
-    rng = np.random.default_rng(2)
-    held = []
-    for _ in range(20):
-        rows = rng.choice(synth.num_rows, size=16, replace=False)
-        held.append((rows, asm.assemble(rows, 800)))
-    for rows, batch in held:  # every later assemble wrote elsewhere
-        assert_matches(batch, synth, rows, 800)
-
-
-def test_release_recycles_memory_and_is_idempotent(synth: TokenDataset) -> None:
-    asm = Assembler(synth, max_free=2)
-    first = asm.assemble(np.arange(10), 100)
-    address = first.input_ids.ctypes.data
-    first.release()
-    first.release()
-    assert first.released
-    assert asm.free_buffers == 1, "a double release must not hand the memory out twice"
-    second = asm.assemble(np.arange(20, 28), 50)
-    assert second.input_ids.ctypes.data == address, "released memory was not reused"
-    third = asm.assemble(np.arange(5), 50)
-    assert third.input_ids.ctypes.data != address, "memory still held was handed out again"
-    assert_matches(second, synth, np.arange(20, 28), 50)
-    with pytest.raises(ValueError, match="released"):
-        asm.assemble(np.arange(3), 10, out=first)
-
-
-def test_out_is_overwritten_in_place_and_grows(synth: TokenDataset) -> None:
-    asm = Assembler(synth)
-    batch = asm.assemble(np.arange(4), 10)
-    again = asm.assemble(np.arange(10, 13), 20, out=batch)
-    assert again is batch, "out= must return the object it was given"
-    assert_matches(batch, synth, np.arange(10, 13), 20)
-    big_rows = np.arange(100, 300)
-    asm.assemble(big_rows, 700, out=batch)  # larger than any buffer so far
-    assert_matches(batch, synth, big_rows, 700)
-
-
-def test_steady_state_reuses_a_few_buffers(synth: TokenDataset) -> None:
-    sched = build_schedule(synth.lengths, TINY_SCHEDULE, world_size=1)
-    asm = Assembler(synth)
-    addresses = set()
-    for step in range(sched.num_steps):
-        batch = asm.assemble(sched.samples(step, 0), sched.padded_len(step, 0))
-        addresses.add(batch.input_ids.ctypes.data)
-        batch.release()
-    # capacities grow in powers of two: a handful of allocations at most, then none
-    assert len(addresses) <= 3, f"{len(addresses)} buffers for {sched.num_steps} batches"
 
 
 # --- memory ----------------------------------------------------------------
@@ -758,7 +699,7 @@ def test_construction_reads_no_token_page_and_allocates_per_row(tmp_path: Path) 
     # ...and the measure is not blind: serving every row maps them
     every = np.arange(rows)
     for first in range(0, rows, 64):
-        asm.assemble(every[first : first + 64], 8192).release()
+        asm.frame(every[first : first + 64], 8192, **FIELDS)
     mapped = (rss_kib("RssFile") - file_before) * 1024
     assert mapped > token_bytes // 2, f"serving every row mapped only {mapped} bytes: RssFile is blind"
     assert peaks[1.0] < 24 * rows + (1 << 20), f"construction allocated {peaks[1.0]} bytes for {rows} rows"
@@ -772,15 +713,15 @@ def test_serving_an_epoch_keeps_memory_flat(tmp_path: Path) -> None:
     )
     jobs = [(sched.samples(s, 0), sched.padded_len(s, 0)) for s in range(sched.num_steps)]
     asm = Assembler(ds)
-    for rows, padded_len in jobs[:5]:  # warm the free list
-        asm.assemble(rows, padded_len).release()
+    for rows, padded_len in jobs[:5]:  # warm the shared pad rows
+        asm.frame(rows, padded_len, **FIELDS)
     gc.collect()
     anon_before = rss_kib("RssAnon")
     tracemalloc.start()
     try:
         base = tracemalloc.get_traced_memory()[0]
         for rows, padded_len in jobs:
-            asm.assemble(rows, padded_len).release()
+            asm.frame(rows, padded_len, **FIELDS)
         current, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
@@ -789,178 +730,6 @@ def test_serving_an_epoch_keeps_memory_flat(tmp_path: Path) -> None:
     assert current - base < 256 << 10, f"{current - base} bytes still held after an epoch"
     assert peak - base < 4 << 20, f"peak {peak - base} bytes while serving"
     assert anon_growth < min(32 << 20, token_bytes // 4), f"anonymous memory grew {anon_growth} bytes"
-
-
-# --- Prefetcher ------------------------------------------------------------
-
-
-class Recording(Assembler):
-    """An assembler that counts calls, can be held at a gate, and sleeps a little at random."""
-
-    def __init__(self, dataset: TokenDataset, jitter: float = 0.0) -> None:
-        super().__init__(dataset)
-        self.started = 0
-        self.finished = 0
-        self.made: list[BatchBuffers] = []
-        self.gate = threading.Event()
-        self.gate.set()
-        self.entered = threading.Event()
-        self._count = threading.Lock()
-        self._rng = np.random.default_rng(0)
-        self._jitter = jitter
-
-    def assemble(
-        self,
-        rows: npt.ArrayLike,
-        padded_len: int,
-        pad_id: int = 0,
-        out: BatchBuffers | None = None,
-        *,
-        max_len: int | None = None,
-    ) -> BatchBuffers:
-        with self._count:
-            self.started += 1
-            pause = float(self._rng.random()) * self._jitter
-        self.entered.set()
-        self.gate.wait(10)
-        time.sleep(pause)
-        try:
-            batch = super().assemble(rows, padded_len, pad_id, out, max_len=max_len)
-            self.made.append(batch)
-            return batch
-        finally:
-            with self._count:
-                self.finished += 1
-
-
-def make_jobs(ds: TokenDataset, count: int, seed: int = 0) -> list[tuple[int, I64, int]]:
-    rng = np.random.default_rng(seed)
-    jobs = []
-    for key in range(count):
-        rows = np.sort(rng.choice(ds.num_rows, size=int(rng.integers(1, 33)), replace=False))
-        jobs.append((key, rows, int(ds.lengths[rows].max())))
-    return jobs
-
-
-def counted(jobs: list[tuple[int, I64, int]], pulled: list[int]) -> Iterator[tuple[int, I64, int]]:
-    for job in jobs:
-        pulled[0] += 1
-        yield job
-
-
-def drain(prefetch: Prefetcher[int]) -> tuple[list[int], Exception | None]:
-    """Keys yielded before the iteration ended, and the exception that ended it (if any)."""
-    got = []
-    try:
-        for key, batch in prefetch:
-            got.append(key)
-            batch.release()
-    except Exception as exc:
-        return got, exc
-    return got, None
-
-
-def test_prefetcher_yields_in_order(synth: TokenDataset) -> None:
-    asm = Recording(synth, jitter=0.003)  # workers finish out of order
-    jobs = make_jobs(synth, 40)
-    with Prefetcher(asm, jobs, depth=4, workers=2, pad_id=5) as prefetch:
-        got = []
-        for key, batch in prefetch:
-            _, rows, padded_len = jobs[key]
-            assert_matches(batch, synth, rows, padded_len, pad_id=5)
-            got.append(key)
-            batch.release()
-    assert got == list(range(40)), "batches came out of order or went missing"
-
-
-def test_prefetcher_does_not_run_ahead_of_a_slow_consumer(synth: TokenDataset) -> None:
-    asm = Recording(synth)
-    pulled = [0]
-    depth = 3
-    with Prefetcher(asm, counted(make_jobs(synth, 30), pulled), depth=depth, workers=2) as prefetch:
-        for consumed in range(1, 6):
-            next(prefetch)
-            # a slow consumer: the workers have all the time they want to run ahead
-            deadline = time.monotonic() + 5
-            while asm.finished < consumed + depth and time.monotonic() < deadline:
-                time.sleep(0.01)
-            time.sleep(0.05)
-            assert asm.finished == consumed + depth, f"read-ahead {asm.finished - consumed}, not depth"
-            assert pulled[0] <= consumed + depth, f"pulled {pulled[0]} jobs with {consumed} consumed"
-            assert asm.started <= consumed + depth, f"assembled {asm.started} with {consumed} consumed"
-
-
-def test_close_while_workers_are_busy(synth: TokenDataset) -> None:
-    asm = Recording(synth)
-    asm.gate.clear()  # every assembly blocks until the gate opens
-    prefetch = Prefetcher(asm, make_jobs(synth, 50), depth=8, workers=2)
-    outcome: list[str] = []
-
-    def consume() -> None:
-        try:
-            next(prefetch)
-            outcome.append("batch")
-        except StopIteration:
-            outcome.append("stopped")
-
-    consumer = threading.Thread(target=consume)
-    consumer.start()
-    assert asm.entered.wait(5), "no worker started"
-    began = time.perf_counter()
-    prefetch.close()
-    prefetch.close()  # idempotent
-    assert time.perf_counter() - began < 0.5, "close() waited for busy workers"
-    asm.gate.set()
-    consumer.join(5)
-    assert not consumer.is_alive(), "the consumer is stuck after close()"
-    assert outcome == ["stopped"], f"consumer saw {outcome} after close()"
-    deadline = time.monotonic() + 5  # the last done-callback runs just after the worker returns
-    while (
-        asm.finished < asm.started or not all(b.released for b in asm.made)
-    ) and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert asm.started <= 2, f"{asm.started} jobs ran: queued work was not cancelled"
-    assert len(asm.made) == asm.started, "a started job did not finish"
-    assert all(b.released for b in asm.made), "batches made before close() were not released"
-    with pytest.raises(StopIteration):
-        next(prefetch)
-
-
-def test_assembly_error_is_raised_in_position(synth: TokenDataset) -> None:
-    jobs: list[tuple[int, Any, int]] = list(make_jobs(synth, 8))
-    jobs[4] = (4, np.array([synth.num_rows]), 10)  # out of range
-    prefetch = Prefetcher(Assembler(synth), jobs, depth=4, workers=2)
-    got, error = drain(prefetch)
-    assert isinstance(error, ValueError), f"expected the assembly error, got {error!r}"
-    assert "outside the dataset's rows" in str(error)
-    assert got == [0, 1, 2, 3], f"the error came at the wrong place (after {got})"
-    assert prefetch.closed
-    with pytest.raises(StopIteration):
-        next(prefetch)
-
-
-def test_jobs_iterator_error_is_raised_in_position(synth: TokenDataset) -> None:
-    def jobs() -> Iterator[tuple[int, I64, int]]:
-        yield from make_jobs(synth, 3)
-        raise RuntimeError("schedule broke")
-
-    with Prefetcher(Assembler(synth), jobs(), depth=8) as prefetch:
-        got, error = drain(prefetch)
-    assert isinstance(error, RuntimeError), f"expected the jobs' error, got {error!r}"
-    assert got == [0, 1, 2], f"the error came at the wrong place (after {got})"
-
-
-def test_prefetcher_stops_cleanly_and_closes(synth: TokenDataset) -> None:
-    prefetch = Prefetcher(Assembler(synth), make_jobs(synth, 3), depth=1, workers=1)
-    assert [key for key, _ in prefetch] == [0, 1, 2]
-    assert prefetch.closed, "an exhausted prefetcher should close its pool"
-    assert list(Prefetcher(Assembler(synth), [])) == []
-
-
-@pytest.mark.parametrize(("depth", "workers"), [(0, 1), (1, 0), (-1, 2)])
-def test_prefetcher_arguments(synth: TokenDataset, depth: int, workers: int) -> None:
-    with pytest.raises(ValueError, match=r"depth|workers"):
-        Prefetcher(Assembler(synth), [], depth=depth, workers=workers)
 
 
 def frame_checked(asm: Assembler, rows: Any, padded_len: Any, pad_id: Any, **fields: Any) -> Any:
@@ -1126,7 +895,7 @@ def test_ids_of_every_integer_type_are_converted_in_c_byte_for_byte(
     cases = (np.arange(40), np.array([39, 3, 4, 0]), np.array([7]))
     expected = []
     for picks in cases:
-        assert_matches(asm.assemble(picks, 300, pad_id=5), ds, picks, 300, pad_id=5)
+        assert_matches(asm, ds, picks, 300, pad_id=5)
         pieces = asm.pieces(picks, 300, 5)
         joined = codec.encode_batch_pieces(
             padded_len=300,
@@ -1163,8 +932,7 @@ def test_a_wide_mask_is_converted_in_c_byte_for_byte(tmp_path: Path, mask_type: 
     ds = save(tmp_path / "ds", {"input_ids": rows, "loss_mask": masks}, features, num_shards=3)
     asm = Assembler(ds)
     for picks in (np.arange(40), np.array([39, 3, 4, 0]), np.array([7])):
-        assert_frame_matches(asm, picks, 300, pad_id=5)
-        assert_matches(asm.assemble(picks, 300, pad_id=5), ds, picks, 300, pad_id=5)
+        assert_matches(asm, ds, picks, 300, pad_id=5)
     masks[5][1] = 128
     bad = save(tmp_path / "bad", {"input_ids": rows, "loss_mask": masks}, features)
     with pytest.raises(DatasetError, match=r"row 5 of 'loss_mask' holds 128, outside int8"):

@@ -98,12 +98,13 @@ def assert_served(
 ) -> None:
     asm = Assembler(ds)
     want_ids, want_mask = expected(rows, masks, picks, width)
-    batch = asm.assemble(np.asarray(picks), width)
-    assert batch.input_ids.tobytes() == want_ids
-    assert batch.loss_mask.tobytes() == want_mask, (batch.loss_mask.tolist(), want_mask)
+    pieces = asm.pieces(np.asarray(picks), width)
+    assert b"".join(pieces.input_ids) == want_ids, "the input_ids pieces differ"
+    assert b"".join(pieces.loss_mask) == want_mask, "the loss_mask pieces differ"
     for data in frames(asm, picks, width):
-        assert want_ids in data
-        assert want_mask in data
+        batch = codec.decode_batch(data)
+        assert batch.input_ids.tobytes() == want_ids, "the frame's input_ids differ"
+        assert batch.loss_mask.tobytes() == want_mask, (batch.loss_mask.tolist(), want_mask)
 
 
 # --- choosing the columns ----------------------------------------------------------------
