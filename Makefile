@@ -55,7 +55,7 @@ chromium:
 demo: $(RUN_STAMP)
 	test -d $(SAMPLE) || $(BIN)/ladle make-dataset $(SAMPLE) --rows $(DEMO_ROWS) --seed 0
 	$(BIN)/ladle plan $(SAMPLE) --world-size 8 --compare random --simulate-loss
-	$(BIN)/ladle demo --dataset $(SAMPLE) --world-size 4
+	$(BIN)/ladle demo $(SAMPLE) --world-size 4
 
 lint: setup
 	$(BIN)/ruff check .

@@ -212,11 +212,12 @@ def _summary(
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "dataset_path", nargs="?", metavar="DATASET", help="a saved dataset, as ladle plan and serve take it"
+        "dataset_path",
+        nargs="?",
+        metavar="DATASET",
+        help="a saved dataset, as ladle plan and serve take it (default: data/sample, made if missing)",
     )
-    source = parser.add_mutually_exclusive_group()
-    source.add_argument("--dataset", help="a saved dataset (default: data/sample, made if missing)")
-    source.add_argument(
+    parser.add_argument(
         "--text",
         nargs="+",
         metavar="PATH",

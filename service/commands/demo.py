@@ -20,8 +20,7 @@ def add_parser(sub: Subparsers) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     from ..demo import run_demo
 
-    if args.dataset_path is not None and (args.dataset is not None or args.text):
-        raise ConfigError("dataset", "give one of DATASET, --dataset and --text")
+    if args.dataset_path is not None and args.text:
+        raise ConfigError("dataset", "give DATASET or --text, not both")
     config = config_from_args(args)
-    dataset = args.dataset if args.dataset is not None else args.dataset_path
-    return run_demo(dataset, args.world_size, config, args.rows, args.keep, args.text, args.split)
+    return run_demo(args.dataset_path, args.world_size, config, args.rows, args.keep, args.text, args.split)

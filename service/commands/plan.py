@@ -16,8 +16,10 @@ from ._tables import format_bucket_table, format_loss, format_quality
 def add_parser(sub: Subparsers) -> argparse.ArgumentParser:
     plan = sub.add_parser("plan", help="print the per-bucket table and the schedule's quality figures")
     plan.add_argument("dataset", help="a dataset folder written by save_to_disk")
-    plan.add_argument("--world-size", type=int, default=1, metavar="W")
-    plan.add_argument("--epoch", type=int, default=0)
+    plan.add_argument(
+        "--world-size", type=int, default=1, metavar="W", help="ranks the epoch is planned for (default 1)"
+    )
+    plan.add_argument("--epoch", type=int, default=0, help="the epoch to plan, from 0 (default 0)")
     plan.add_argument("--json", action="store_true", help="machine-readable output")
     plan.add_argument("--compare", choices=["random"], help="show the naive random shuffle beside ladle")
     plan.add_argument("--simulate-loss", action="store_true", help="simulate the logged loss (the ladder)")

@@ -293,8 +293,10 @@ def test_demo_takes_the_dataset_as_plan_and_serve_do(capsys: pytest.CaptureFixtu
     from ladle.service.cli import build_parser
 
     assert build_parser().parse_args(["demo", "some/dir"]).dataset_path == "some/dir"
-    assert main(["demo", "some/dir", "--dataset", "other/dir"]) == 2
-    assert "give one of DATASET, --dataset and --text" in capsys.readouterr().err
+    assert main(["demo", "some/dir", "--text", "x.py"]) == 2
+    assert "give DATASET or --text, not both" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # one way to name it: --dataset is gone
+        build_parser().parse_args(["demo", "--dataset", "other/dir"])
 
 
 def test_plan_hints_at_auto_edges_when_one_bucket_takes_nearly_all(
