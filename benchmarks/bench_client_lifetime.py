@@ -32,7 +32,7 @@ def _once(address: str, job: str, own_watch: bool) -> tuple[float, float]:
     start = time.perf_counter()
     client = BatchClient(0, 1, address, job, timeout=60)
     if not own_watch:
-        client._watch_here = lambda channel: False  # type: ignore[method-assign]  # the baseline
+        client._connection._watch_here = lambda channel: False  # type: ignore[method-assign]  # the baseline
     batches = iter(client)
     for _ in range(3):
         next(batches)

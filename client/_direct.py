@@ -95,10 +95,10 @@ def wait_ready(channel: Any, until: float, stop: Callable[[], bool], slice_s: fl
 
     ``grpc.channel_ready_future`` watches the channel on a thread of
     grpcio's that renews a 0.2 s watch until it sees the unsubscription, and
-    ``channel.close()`` waits for that watch to end: 0-470 ms a close,
-    measured. Here the watch runs in slices of at most ``slice_s`` (so
-    ``stop`` is seen) on a thread of this call's, which the caller waits for:
-    none is left once this returns, so a close right after costs nothing.
+    ``channel.close()`` waits for that watch to end. Here the watch runs in
+    slices of at most ``slice_s`` (so ``stop`` is seen) on a thread of this
+    call's, which the caller waits for: none is left once this returns, so a
+    close right after costs nothing.
 
     The watch is not on the caller's thread because a signal handler's
     exception (Ctrl-C's ``KeyboardInterrupt``, a preemption handler's

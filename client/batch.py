@@ -32,8 +32,7 @@ class Batch:
     shuffle, select or filter that ran before ``save_to_disk``.
 
     ``attention_mask`` is the one array not on the wire: it is made from
-    ``lengths`` the first time it is read (about 10 us for a 49152-token
-    batch) and kept, so a trainer that never reads it (one that passes
+    ``lengths`` the first time it is read and kept, so a trainer that never reads it (one that passes
     ``lengths`` to a variable-length attention kernel) never pays for it.
 
     Batches compare and hash by identity (their arrays have no one truth
@@ -66,8 +65,8 @@ class Batch:
         """A Batch of ``fields`` (every field, ``extra`` and ``_mask`` too) without ``__init__``.
 
         BatchClient makes one a batch: a frozen dataclass's ``__init__`` sets
-        each field through ``object.__setattr__`` (3 us for these 13), one
-        ``__dict__`` update costs a tenth of that. It is still frozen after.
+        each field through ``object.__setattr__``, and one ``__dict__``
+        update costs far less. It is still frozen after.
         """
         batch = object.__new__(cls)
         batch.__dict__.update(fields)

@@ -525,7 +525,7 @@ def test_a_dropped_client_keeps_its_channel_until_its_stream_has_ended(
     monkeypatch.setattr(client_module, "_end_dropped", recording)
     client = BatchClient(0, 1, module_server.address, "dropped-channel")
     steps(client, 3)  # 0 and 1 consumed (their acknowledgement held back in a group), 2 held
-    channel = weakref.ref(client._channel)
+    channel = weakref.ref(client._connection.channel)
     del client
     gc.collect()
     deadline = time.monotonic() + 10
@@ -680,10 +680,10 @@ def test_a_run_that_names_no_job_is_warned_and_a_resume_is_logged(
     module_server: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Two unrelated runs without LADLE_JOB share 'default': the second silently went on from the first."""
-    from ladle.client import client as client_module
+    from ladle.client import config as config_module
 
     monkeypatch.delenv("LADLE_JOB", raising=False)
-    monkeypatch.setattr(client_module, "_warned_default_job", False)
+    monkeypatch.setattr(config_module, "_warned_default_job", False)
     with caplog.at_level("INFO", logger="ladle.client"):
         with BatchClient(0, 1, module_server.address) as first:
             assert first.job == "default"
@@ -731,7 +731,7 @@ def test_the_trainers_thread_never_sends_into_grpc(
     monkeypatch.setattr(_direct.DirectCall, "send", recording)
     me = threading.current_thread().name
     with BatchClient(0, 1, module_server.address, "no-send-here", prefetch=4) as client:
-        if not client._polled:
+        if not client._connection.polled:
             pytest.skip("the threaded reader sends from grpcio's request thread")
         for i, _ in enumerate(client):
             if i % 7 == 0:

@@ -157,7 +157,7 @@ def test_both_readers_deliver_the_schedule_and_survive_a_kill_9(
         server_factory(state=server.state, port=server.port)
         got = part + consume(client)
         assert client.reconnects >= 1, "the client never had to reconnect"
-    assert kind == ("_PolledStream" if reader == "polled" else "_ThreadedStream")
+    assert kind == ("PolledStream" if reader == "polled" else "ThreadedStream")
     check_rank_stream(small_dataset, reference(small_dataset, 1), 0, got)
 
 
@@ -172,7 +172,7 @@ def test_a_grpcio_whose_cython_layer_differs_falls_back_to_its_iterator(
     with BatchClient(0, 1, server.address, "fallback", timeout=30) as client:
         got = consume(client)
         kind = type(client._stream).__name__
-    assert kind == "_ThreadedStream"
+    assert kind == "ThreadedStream"
     check_rank_stream(small_dataset, reference(small_dataset, 1), 0, got)
 
 

@@ -75,7 +75,7 @@ def test_the_reader_follows_the_setting_and_the_grpcio_version(
     monkeypatch.setattr(grpc, "__version__", version)
     client = BatchClient(0, 1, "127.0.0.1:1", "reader", timeout=1)  # connects on first use only
     try:
-        assert client._polled is polled
+        assert client._connection.polled is polled
     finally:
         client.close()
 
@@ -167,13 +167,13 @@ def test_a_server_at_its_call_limit_is_retried_with_backoff(
     stub = _BusyStub(_Refused(code, message, reason), refusals=3)
     slept: list[float] = []
     client = BatchClient(0, 1, "127.0.0.1:1", "busy", timeout=30)
-    monkeypatch.setattr(client, "_connect", lambda deadline: stub)
+    monkeypatch.setattr(client._connection, "connect", lambda deadline: stub)
     monkeypatch.setattr(time, "sleep", slept.append)
     try:
         assert client._describe(0).steps_per_epoch == 7
         assert stub.calls == 4
         assert slept == [0.05, 0.1, 0.2], "not the client's backoff"
-        error = client._map_error(_Refused(code, message, reason))
+        error = client._connection.map_error(_Refused(code, message, reason))
         assert isinstance(error, ServerUnavailableError)
         assert error.code == "RESOURCE_EXHAUSTED"
     finally:
@@ -185,7 +185,7 @@ def test_a_server_busy_past_the_timeout_fails_with_its_reason(monkeypatch: pytes
     now = [1000.0]
     stub = _BusyStub(_Refused(*_BUSY[0]), refusals=10**6)
     client = BatchClient(0, 1, "127.0.0.1:1", "busy", timeout=5)
-    monkeypatch.setattr(client, "_connect", lambda deadline: stub)
+    monkeypatch.setattr(client._connection, "connect", lambda deadline: stub)
     monkeypatch.setattr(time, "monotonic", lambda: now[0])
     monkeypatch.setattr(time, "sleep", lambda s: now.__setitem__(0, now[0] + s))
     try:
@@ -213,7 +213,7 @@ def test_other_resource_exhausted_answers_fail_at_once(
     """Sessions all taken, a request over the size limit: retrying does not help, so no retry."""
     stub = _BusyStub(_Refused(grpc.StatusCode.RESOURCE_EXHAUSTED, message, reason), refusals=1)
     client = BatchClient(0, 1, "127.0.0.1:1", "busy", timeout=30)
-    monkeypatch.setattr(client, "_connect", lambda deadline: stub)
+    monkeypatch.setattr(client._connection, "connect", lambda deadline: stub)
     monkeypatch.setattr(time, "sleep", lambda s: pytest.fail("retried"))
     try:
         with pytest.raises(BatchClientError) as info:

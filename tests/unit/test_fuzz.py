@@ -332,8 +332,8 @@ def test_load_state_dict_accepts_a_sendable_position_or_refuses(state: Any, elas
     # what the client will send on its first batch must be encodable
     opening = pb.Open(job=client.job, rank=client.rank, world_size=client.world_size)
     opening.start.CopyFrom(pb.Position(epoch=position[0], step=position[1]))
-    if client._fingerprint is not None:
-        opening.schedule_fingerprint = client._fingerprint
+    if client._position.fingerprint is not None:
+        opening.schedule_fingerprint = client._position.fingerprint
     assert pb.StreamRequest(open=opening).SerializeToString()
     client.close()
 
