@@ -22,6 +22,7 @@ from benchmarks import (
     bench_http,
     bench_ingest,
     bench_roundtrips,
+    bench_sampler,
     bench_schedule,
     bench_serving,
     bench_shards,
@@ -47,6 +48,7 @@ def main(argv: list[str]) -> int:
         "auth": bench_auth.main(full),
         "soak": bench_soak.main(full),
         "client_lifetime": bench_client_lifetime.main(full),
+        "sampler": bench_sampler.main(50_000 if full else 20_000),
     }
     if full:  # the transport comparison behind the frame layout (about 7 minutes)
         results["wire"] = bench_wire.main([])
@@ -100,6 +102,8 @@ def main(argv: list[str]) -> int:
     for line in bench_batchmates.summary(results["batchmates"]):
         print(line, file=sys.stderr)
     for line in bench_ingest.summary(results["ingest"]):
+        print(line, file=sys.stderr)
+    for line in bench_sampler.summary(results["sampler"]):
         print(line, file=sys.stderr)
     return 0
 
