@@ -21,7 +21,7 @@ import sys
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Final
@@ -37,14 +37,18 @@ from .errors import (
     ConfigError,
     JobMismatchError,
     JobNotFoundError,
+    LadleError,
     ScheduleBusyError,
     ScheduleError,
     ScheduleLimitError,
     WorldSizeMismatchError,
 )
+from .lease import AlignedStarts, Claim, RankLease, StreamAbortedError, placed
 from .limits import MAX_SCHEDULES, SPARE_SCHEDULES
 from .schedule import ALGORITHM_VERSION, Dropped, Schedule, ScheduleConfig, build_schedule
+from .start import HotPositions, Opening, StartDecision, decide_start
 from .store.base import (
+    MAX_INDEX,
     CursorStore,
     JobSpec,
     JobState,
@@ -719,13 +723,6 @@ class Job:
             steps_in_epoch=sched.num_steps,
         )
 
-    def check_rank(self, rank: int, world_size: int) -> None:
-        """Refuse a rank outside the job or a world size other than the job's."""
-        if world_size != self.world_size:
-            raise WorldSizeMismatchError(self.name, self.world_size, world_size)
-        if not 0 <= rank < world_size:
-            raise ConfigError("rank", f"{rank} is outside 0..{world_size - 1} (world_size={world_size})")
-
     def is_stored_as(self, state: JobState) -> bool:
         """True if ``state`` is this job as it was built: same world size, resize history and incarnation."""
         return (self.world_size, self.plan, self.incarnation) == (
@@ -772,9 +769,6 @@ class Job:
             cache=self.cache,
         )
 
-    def join(self, rank: int) -> RankState:
-        return self.store.join(self.name, rank, self.world_size)
-
     def state(self) -> JobState:
         return self.store.get(self.name)
 
@@ -799,6 +793,137 @@ class JobRegistry:
         self._known = KNOWN_JOBS
         self._lock = threading.Lock()
         self.schedules = ScheduleCache(spare, most=max_schedules, per_client=schedules_per_client)
+        self.aligned = AlignedStarts()
+
+    def attach(self, claim: Claim) -> RankLease:
+        """Join ``claim``'s rank as a new trainer process and place it: the lease its stream holds.
+
+        The job is opened (created, or resized if ``claim.elastic``), the
+        claim's checkpoint placed in its schedule, then the rank joined (a new
+        generation, which fences the rank's earlier process) and positioned by
+        ``decide_start``: at most three store operations (a read, the join, and
+        a rewind or reconcile; a create or a resize in place of the last). Every
+        refusal that does not depend on the join comes before it.
+        """
+        job, state = self._open_for(claim)
+        given = placed(job, claim)
+        opening = Opening(job.name, claim.rank, given, claim.own_cursor, claim.resume)
+        joined = self.store.join(job.name, claim.rank, job.world_size)
+        # a start at the job's cursor decides on the ranks as read before the join: the rank's own
+        # entry then still says when it last moved, which tells its earlier stream from a stale cursor
+        decision = self._decide(job, opening, joined, state.ranks if opening.aligned else ())
+        start = decision.start
+        if decision.aligned:
+            self.aligned.remember(job.name, claim.rank, joined, start)
+        notes = decision.notes
+        try:
+            if decision.refusal:
+                raise StreamAbortedError(
+                    "invalid_argument", "bad_resume", decision.refusal, "open.resume.generation"
+                )
+            if decision.reconcile is not None:
+                joined = self.store.reconcile(job.name, claim.rank, decision.reconcile.generation, start)
+                notes += (decision.reconcile.note,)
+            elif decision.rewind:
+                joined = self.store.rewind(job.name, claim.rank, joined.generation, start)
+        except LadleError:
+            for note in notes:  # decided before the refusal: said as an Open that succeeds says them
+                log.log(note.level, "%s", note.message)
+            raise
+        return RankLease(job, claim.rank, joined.generation, start, joined.position, notes, self.aligned)
+
+    def _open_for(self, claim: Claim) -> tuple[Job, JobState]:
+        """The job ``claim`` opens and its state before the rank joins: one store read, and a store
+        write only to create the job (as ``open`` does) or to resize it."""
+        name, world_size = claim.job, claim.world_size
+        spec = JobSpec(name, self.dataset.fingerprint, self.config.fingerprint(), world_size)
+        known = self.get(name)
+        state: JobState | None
+        try:
+            state = self.store.get(name)
+        except JobNotFoundError:
+            state = None
+        try:
+            if state is not None:
+                check_identity(state.spec, spec)
+            else:
+                if known is None:
+                    if claim.fingerprint is not None:
+                        self._refuse_unrestorable(name, world_size, claim.fingerprint)
+                    self.unstored(name, world_size).schedule(0, hot=True)  # see _check_new
+                state = self.store.open_job(
+                    spec,
+                    incarnation=(known.incarnation or None) if known else None,
+                    plan=known.plan if known else (),
+                )
+        except JobMismatchError as exc:
+            raise self._explained(exc) from None
+        except WorldSizeMismatchError as exc:
+            if not claim.elastic:
+                raise
+            state = self._resize(name, exc.stored, world_size, claim.checkpoint, state)
+        return self._job_for(state), state
+
+    def preview(
+        self, name: str, world_size: int, epoch: int | None, rank: int | None = None, own_cursor: bool = False
+    ) -> tuple[Job, int, Schedule]:
+        """The job ``name``, the epoch described and its schedule (Describe; nothing joins).
+
+        ``epoch`` None: the epoch of the job's slowest rank, or with ``rank``
+        the epoch its stream would start in if it opened now with no
+        checkpoint (as ``attach`` starts it). A job the store does not hold is
+        ``JobNotFoundError`` unless ``world_size`` is given (0: not given):
+        then it is the job a trainer of that world size would create, built
+        here and stored nowhere, as an inspection builds (``ScheduleBusyError``
+        when too many builds run: nothing a stream uses, so anyone asking for
+        many world sizes holds no more schedules than the spare ones). An epoch
+        other than the job's own is built the same way. ``ConfigError`` for
+        an epoch or rank no Open would take (a rank is checked against the
+        ``world_size`` asked for: an elastic restart's new rank may be beyond
+        the stored job's).
+        """
+        if epoch is not None and epoch > MAX_INDEX:
+            raise ConfigError("epoch", f"must be in 0..{MAX_INDEX}, got {epoch}")
+        if rank is not None and world_size and rank >= world_size:
+            raise ConfigError("rank", f"{rank} is outside 0..{world_size - 1} (world_size={world_size})")
+        try:
+            job = self.get(name)
+            if job is None:
+                job = self.open(name, self.store.get(name).spec.world_size)
+            state = job.state()  # (a job this server knew may be gone from the store since)
+        except JobNotFoundError:
+            if not world_size:
+                raise
+            job = self.unstored(name, world_size)
+            at = 0 if epoch is None else epoch
+            return job, at, job.schedule(at)
+        current = min(r.position.epoch for r in state.ranks) if state.ranks else 0
+        at = current if epoch is None else epoch
+        mine = next((r for r in state.ranks if r.rank == rank), None) if epoch is None else None
+        if mine is not None:  # where attach would start it (the job's cursor unless own_cursor)
+            opening = Opening(job.name, mine.rank, own_cursor=own_cursor)
+            at = self._decide(job, opening, mine, state.ranks, describe=True).start.epoch
+        return job, at, job.schedule(at, hot=at == current)
+
+    def _decide(
+        self,
+        job: Job,
+        opening: Opening,
+        joined: RankState,
+        ranks: Sequence[RankState],
+        *,
+        describe: bool = False,
+    ) -> StartDecision:
+        """``decide_start`` with the other ranks' recent starts at the job's cursor this server began."""
+        return decide_start(
+            opening,
+            joined=joined,
+            ranks=ranks,
+            aligned_starts=self.aligned.of_others(job.name, opening.rank, ranks),
+            incarnation=job.incarnation,
+            positions=HotPositions(job),
+            describe=describe,
+        )
 
     def open(
         self,
@@ -871,6 +996,10 @@ class JobRegistry:
             return
         except JobNotFoundError:
             pass
+        self._refuse_unrestorable(name, world_size, fingerprint)
+
+    def _refuse_unrestorable(self, name: str, world_size: int, fingerprint: str) -> None:
+        """``check_restorable`` for a job neither the store nor this server knows."""
         plain = schedule_fingerprint(self.dataset.fingerprint, self.config.fingerprint(), world_size)
         for version in range(ALGORITHM_VERSION - 1, 0, -1):
             old = schedule_fingerprint(
@@ -928,7 +1057,12 @@ class JobRegistry:
     RESIZE_SETTLE_POLL_S: Final = 0.05
 
     def _resize(
-        self, name: str, old_size: int, new_size: int, checkpoint: tuple[Position, str] | None
+        self,
+        name: str,
+        old_size: int,
+        new_size: int,
+        checkpoint: tuple[Position, str] | None,
+        state: JobState | None = None,
     ) -> JobState:
         """Resize job ``name`` from ``old_size`` to ``new_size`` ranks (``open``'s elastic path).
 
@@ -961,9 +1095,10 @@ class JobRegistry:
         old world at it continues the re-plan (``Job.translate``). The check
         and the store's resize are two operations: a rank of the old world
         still streaming may move in between (forward only, which never turns
-        an accepted cut into a lossy one).
+        an accepted cut into a lossy one). ``state``: the job as just read, if it was.
         """
-        state = self.store.get(name)
+        if state is None:
+            state = self.store.get(name)
         old = self._job_for(state)
         cut = None
         past: list[tuple[int, Position]] = []
