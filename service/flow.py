@@ -261,7 +261,7 @@ async def send(
     session: StreamSession, assembler: Assembler, meter: StreamMeter
 ) -> AsyncGenerator[bytes, None]:
     """The stream's frames in schedule order, one per credit; an EpochEnd after an epoch's last."""
-    job = session.job
+    job, rank = session.job, session.rank
     position = session.sent
     while True:
         while session.credits <= 0 and session.failure is None:
@@ -277,14 +277,14 @@ async def send(
         if not job.has_schedule(position.epoch):  # building one takes a while: off the loop
             await asyncio.to_thread(functools.partial(job.schedule, position.epoch, hot=True))
         began = time.perf_counter()
-        ref = job.batch(position, session.rank)
+        ref = job.batch(position, rank)
         # the rows' bytes go from the mapped dataset straight into the frame: one copy
         batch = assembler.frame(
             ref.rows,
             ref.padded_len,
             epoch=position.epoch,
             step=position.step,
-            rank=session.rank,
+            rank=rank,
             bucket=ref.bucket,
             schedule_fingerprint=job.fingerprint,
             max_len=job.config.max_seq_len,  # the width can be more (pad_to_multiple_of)

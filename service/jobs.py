@@ -801,9 +801,10 @@ class JobRegistry:
         The job is opened (created, or resized if ``claim.elastic``), the
         claim's checkpoint placed in its schedule, then the rank joined (a new
         generation, which fences the rank's earlier process) and positioned by
-        ``decide_start``: at most three store operations (a read, the join, and
-        a rewind or reconcile; a create or a resize in place of the last). Every
-        refusal that does not depend on the join comes before it.
+        ``decide_start``. Store operations: a read and the join, and one of a
+        create, a resize, a rewind or a reconcile (two for a job the store
+        lost that a trainer resumes). Every refusal that does not depend on the
+        join comes before it.
         """
         job, state = self._open_for(claim)
         given = placed(job, claim)
@@ -824,7 +825,7 @@ class JobRegistry:
             if decision.reconcile is not None:
                 joined = self.store.reconcile(job.name, claim.rank, decision.reconcile.generation, start)
                 notes += (decision.reconcile.note,)
-            elif decision.rewind:
+            elif decision.rewind and start != joined.position:  # equal: a write that changes nothing
                 joined = self.store.rewind(job.name, claim.rank, joined.generation, start)
         except LadleError:
             for note in notes:  # decided before the refusal: said as an Open that succeeds says them
@@ -850,7 +851,7 @@ class JobRegistry:
                 if known is None:
                     if claim.fingerprint is not None:
                         self._refuse_unrestorable(name, world_size, claim.fingerprint)
-                    self.unstored(name, world_size).schedule(0, hot=True)  # see _check_new
+                    self._build_first(name, world_size)
                 state = self.store.open_job(
                     spec,
                     incarnation=(known.incarnation or None) if known else None,
@@ -888,9 +889,10 @@ class JobRegistry:
             raise ConfigError("rank", f"{rank} is outside 0..{world_size - 1} (world_size={world_size})")
         try:
             job = self.get(name)
+            state = self.store.get(name)  # (a job this server knew may be gone from the store since)
             if job is None:
-                job = self.open(name, self.store.get(name).spec.world_size)
-            state = job.state()  # (a job this server knew may be gone from the store since)
+                self.view(state)  # refuses a job of another dataset or config
+                job = self._job_for(state)
         except JobNotFoundError:
             if not world_size:
                 raise
@@ -1023,21 +1025,25 @@ class JobRegistry:
             )
 
     def _check_new(self, name: str, world_size: int) -> None:
-        """Build epoch 0 of a job the store does not hold yet before creating it there.
-
-        A world size the dataset cannot fill (``ScheduleError``: no complete
-        step) is then refused with nothing stored; created first, the job was
-        left behind as the one updated last, and the page and ``ladle
-        inspect`` failed on it for everyone. So is a build beyond the limits
-        on schedules (``ScheduleLimitError``, inside ``ScheduleCache.admitting``):
-        a client churning through world sizes leaves no job behind. The
-        schedule is the one the job's first stream uses next (the cache keeps it).
-        """
+        """``_build_first`` unless the store holds the job already."""
         try:
             self.store.get(name)
             return  # stored already: its schedule was built before
         except JobNotFoundError:
             pass
+        self._build_first(name, world_size)
+
+    def _build_first(self, name: str, world_size: int) -> None:
+        """Build epoch 0 of a job the store does not hold yet before creating it there.
+
+        A world size the dataset cannot fill (``ScheduleError``: no complete
+        step) is then refused with nothing stored, rather than left behind as
+        a job the page and ``ladle inspect`` fail on. So is a build beyond the
+        limits on schedules (``ScheduleLimitError``, inside
+        ``ScheduleCache.admitting``): a client churning through world sizes
+        leaves no job behind. The schedule is the one the job's first stream
+        uses next (the cache keeps it).
+        """
         self.unstored(name, world_size).schedule(0, hot=True)
 
     def unstored(self, name: str, world_size: int) -> Job:
