@@ -27,13 +27,12 @@ from .errors import (
     StoreUnavailableError,
 )
 from .start import ALIGNED_START_S, AlignedStart, Note, Resume
-from .store.base import MAX_INDEX, Position, RankState
+from .store.base import Position, RankState
 
 if TYPE_CHECKING:
     from .jobs import Job
 
 __all__ = [
-    "MAX_INDEX",
     "AlignedStarts",
     "Claim",
     "Position",
