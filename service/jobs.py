@@ -9,19 +9,12 @@ stored: the state in the store is a few integers per rank.
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
-import ctypes
-import functools
 import hashlib
 import logging
-import math
-import platform
-import sys
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Final
@@ -37,14 +30,24 @@ from .errors import (
     ConfigError,
     JobMismatchError,
     JobNotFoundError,
-    ScheduleBusyError,
+    LadleError,
     ScheduleError,
-    ScheduleLimitError,
     WorldSizeMismatchError,
 )
+from .lease import AlignedStarts, Claim, RankLease, StreamAbortedError, placed
 from .limits import MAX_SCHEDULES, SPARE_SCHEDULES
 from .schedule import ALGORITHM_VERSION, Dropped, Schedule, ScheduleConfig, build_schedule
+from .schedule_cache import (
+    BUILD_WAIT_S,
+    COLD_WAIT_S,
+    HOT_SECONDS,
+    MAX_COLD_WAITING,
+    ScheduleCache,
+    ScheduleLease,
+)
+from .start import HotPositions, Opening, StartDecision, decide_start
 from .store.base import (
+    MAX_INDEX,
     CursorStore,
     JobSpec,
     JobState,
@@ -75,16 +78,6 @@ __all__ = [
     "schedule_fingerprint",
 ]
 
-# What a server keeps of its jobs' schedules (ScheduleCache): every one an open stream is on,
-# those used in the last HOT_SECONDS (at most MAX_SCHEDULES, a limit in .limits, beyond which Opens
-# that need a build are refused), and SPARE_SCHEDULES (also in .limits) more; an Open that needs a
-# build waits up to BUILD_WAIT_S while other builds fill the limit. Inspection builds one at a
-# time, with MAX_COLD_WAITING requests waiting up to COLD_WAIT_S for their turn.
-SWEEP_SECONDS: Final = 1.0  # a stream's use drops idle schedules at most this often
-HOT_SECONDS: Final = 60.0
-MAX_COLD_WAITING: Final = 2
-COLD_WAIT_S: Final = 20.0
-BUILD_WAIT_S: Final = 20.0
 # Jobs a server remembers (JobRegistry): the most recently opened, about 0.5 KiB each. A job
 # forgotten is read from the store again when a trainer opens it; only a job that both this
 # server forgot and the store lost is created again as new rather than restored.
@@ -179,434 +172,6 @@ class BatchRef:
         if self.step + 1 < self.steps_in_epoch:
             return Position(self.epoch, self.step + 1)
         return Position(self.epoch + 1, 0)
-
-
-# The client whose request builds schedules now (ScheduleCache.admitting): set around an Open or a
-# Describe, unset (None) for a stream's own builds, which are never refused.
-_CLIENT: contextvars.ContextVar[str | None] = contextvars.ContextVar("ladle_schedule_client", default=None)
-
-
-@functools.cache
-def _malloc_trim() -> Callable[[int], int] | None:
-    """glibc's ``malloc_trim``, or None (another C library, or not Linux)."""
-    if sys.platform != "linux" or platform.libc_ver()[0] != "glibc":
-        return None
-    try:
-        trim = ctypes.CDLL(None).malloc_trim
-    except (OSError, AttributeError):
-        return None
-    trim.argtypes = [ctypes.c_size_t]
-    trim.restype = ctypes.c_int
-    return trim
-
-
-class _Entry:
-    """A kept schedule: when a use last made it hot, and the client whose Open or Describe built it."""
-
-    __slots__ = ("owner", "schedule", "used")
-
-    def __init__(self, schedule: Schedule, used: float, owner: str | None) -> None:
-        self.schedule = schedule
-        self.used = used
-        self.owner = owner
-
-
-class ScheduleLease:
-    """An open stream's hold on the schedule it is on (``ScheduleCache.lease``).
-
-    The epoch it holds and the next are in use: never dropped, counted
-    against no limit. ``move`` follows the stream into another epoch;
-    ``release`` (at its end; again is a no-op) leaves both kept for
-    ``HOT_SECONDS``, for the trainer to come back to.
-    """
-
-    __slots__ = ("_cache", "_held", "client", "epoch", "fingerprint")
-
-    def __init__(self, cache: ScheduleCache, fingerprint: str, epoch: int, client: str | None) -> None:
-        self._cache = cache
-        self.fingerprint = fingerprint
-        self.epoch = epoch
-        self.client = client
-        self._held = True
-
-    def move(self, epoch: int) -> None:
-        if epoch != self.epoch:
-            self._cache._move(self, epoch)
-
-    def release(self) -> None:
-        self._cache._release(self)
-
-
-class ScheduleCache:
-    """The schedules of every job of one server, each built once per (schedule fingerprint, epoch).
-
-    Jobs of one world size and resize history follow the same schedule, so
-    they share it. What is kept is bounded by use, not by how many jobs the
-    server has seen or clients ask for. A schedule of a 10M-row dataset holds
-    about 100 MB and takes about a second to build
-    (``benchmarks/bench_schedule.py``); one of 200,000 rows, 2 MB.
-
-    * In use: the epoch each open stream is on (its ``lease``) and the one
-      after it (prepared ahead for the boundary). Never dropped, never
-      counted: a server holds what its streams need.
-    * Recent: the others a hot use (an Open, a Describe of a job's epoch, a
-      stream that ended on it) touched in the last ``hot_s`` seconds, and the
-      epoch after each, what a trainer that restarts comes back to. At most
-      ``most``; beyond, the least recently used go, the unclaimed ones (see
-      below) first, then those of the client that has the most.
-    * Idle: the ``spare`` most recently used of the rest (an idle job's, an
-      epoch only inspected, epochs streams have moved past).
-
-    A build for a request (an Open or a Describe: inside ``admitting``) is
-    counted with the recent schedules built for requests, the claimed ones,
-    while it runs, and refused (``ScheduleLimitError``, RESOURCE_EXHAUSTED)
-    when the claimed schedules of its client and its builds reach
-    ``per_client``, or those of all clients reach ``most``. When builds in
-    progress fill the server's limit, it waits up to ``BUILD_WAIT_S`` for one
-    to end (a crowd of trainers reconnecting together). So a client opening
-    stream after stream of new world sizes or start epochs holds ``per_client``
-    schedules for a minute, everyone such clients ``most``, and then is
-    refused until they age. A stream's own builds (the next epoch, an epoch
-    it reaches) are never refused. The memory of dropped schedules goes back
-    to the operating system (glibc's ``malloc_trim``, on a thread): glibc
-    otherwise keeps it in its arenas.
-
-    Builds for inspection (the HTTP face: ``hot=False``) run one at a time,
-    with at most ``MAX_COLD_WAITING`` requests waiting up to ``COLD_WAIT_S``
-    for their turn; any more raise ``ScheduleBusyError`` (HTTP 503), so
-    requests for many epochs cannot fill the server's memory or its threads.
-    """
-
-    def __init__(
-        self,
-        spare: int = SPARE_SCHEDULES,
-        hot_s: float = HOT_SECONDS,
-        *,
-        most: int = MAX_SCHEDULES,
-        per_client: int | None = None,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
-        if spare < 0:
-            raise ConfigError("spare", f"must be >= 0, got {spare}")
-        self.spare = spare
-        self.hot_s = hot_s
-        self.set_limits(most, per_client)
-        self._clock = clock
-        # (fingerprint, epoch) -> what is kept of it, least recently used first
-        self._items: OrderedDict[tuple[str, int], _Entry] = OrderedDict()
-        self._building: set[tuple[str, int]] = set()
-        self._claiming: dict[tuple[str, int], str] = {}  # builds for requests -> their client
-        self._leases: dict[tuple[str, int], int] = {}  # (fingerprint, epoch) -> streams on it
-        self._cold_building = False
-        self._cold_waiting = 0
-        self._changed = threading.Condition(threading.Lock())
-        self._swept = -math.inf  # when _evict last ran
-        self._trimming = self._untrimmed = False
-
-    def set_limits(self, most: int, per_client: int | None = None) -> None:
-        """The limits on claimed schedules: ``most`` for the server, ``per_client`` (default half)."""
-        per_client = per_client or max(1, most // 2)
-        if most < 1 or not 1 <= per_client <= most:
-            raise ConfigError(
-                "max_schedules", f"must be >= 1 and >= the per-client limit, got {most}, {per_client}"
-            )
-        self.most, self.per_client = most, per_client
-
-    def __len__(self) -> int:
-        """Schedules kept (dropping those gone idle first: a scrape of the gauge sweeps too)."""
-        with self._changed:
-            dropped = self._evict()
-        self._trim(dropped)
-        return len(self._items)
-
-    def has(self, key: tuple[str, int]) -> bool:
-        with self._changed:
-            return key in self._items
-
-    @contextlib.contextmanager
-    def admitting(self, client: str) -> Iterator[None]:
-        """Builds in this context (its thread, or ``asyncio.to_thread``s begun in it) are for ``client``.
-
-        Each is counted against the limits on claimed schedules, and refused
-        beyond them (see the class). Builds outside any such context (a
-        stream's own, ``warm``'s, a program that uses a registry directly) are
-        not.
-        """
-        token = _CLIENT.set(client)
-        try:
-            yield
-        finally:
-            _CLIENT.reset(token)
-
-    def lease(self, fingerprint: str, epoch: int, client: str | None = None) -> ScheduleLease:
-        """Hold ``(fingerprint, epoch)`` and the epoch after it in use for a stream, until ``release``."""
-        lease = ScheduleLease(self, fingerprint, epoch, client)
-        with self._changed:
-            self._pin((fingerprint, epoch), 1)
-        return lease
-
-    def _pin(self, key: tuple[str, int], n: int) -> None:
-        left = self._leases.get(key, 0) + n
-        if left > 0:
-            self._leases[key] = left
-        else:
-            self._leases.pop(key, None)
-
-    def _in_use(self, key: tuple[str, int]) -> bool:
-        fingerprint, epoch = key
-        return key in self._leases or (fingerprint, epoch - 1) in self._leases
-
-    def _move(self, lease: ScheduleLease, epoch: int) -> None:
-        with self._changed:
-            if not lease._held:
-                return
-            left = (lease.fingerprint, lease.epoch)
-            self._pin(left, -1)
-            lease.epoch = epoch
-            self._pin((lease.fingerprint, epoch), 1)
-            entry = self._items.get(left)
-            if entry is not None and epoch > left[1] and not self._in_use(left):
-                entry.used = -math.inf  # an epoch streams moved past: idle, not what a trainer comes back to
-
-    def _release(self, lease: ScheduleLease) -> None:
-        with self._changed:
-            if not lease._held:
-                return
-            lease._held = False
-            key = (lease.fingerprint, lease.epoch)
-            self._pin(key, -1)
-            now = self._clock()
-            for at in (key, (key[0], key[1] + 1)):
-                entry = self._items.get(at)
-                if entry is not None:
-                    entry.used = max(entry.used, now)  # kept for the trainer to come back to
-            dropped = self._evict()
-        self._trim(dropped)
-
-    def cached(self, key: tuple[str, int], *, hot: bool) -> Schedule | None:
-        """The schedule under ``key`` if it is kept (a use, as ``get``), else None; never builds."""
-        with self._changed:
-            sched, dropped = self._hit(key, hot)
-        self._trim(dropped)
-        return sched
-
-    def _hit(self, key: tuple[str, int], hot: bool) -> tuple[Schedule | None, int]:
-        """``cached`` with the lock held, and how many schedules a sweep dropped."""
-        entry = self._items.get(key)
-        if entry is None:
-            return None, 0
-        self._items.move_to_end(key)
-        dropped = 0
-        if hot:
-            now = entry.used = self._clock()
-            if now - self._swept >= SWEEP_SECONDS:  # schedules gone idle go without waiting for a build
-                dropped = self._evict()
-        return entry.schedule, dropped
-
-    def get(self, key: tuple[str, int], build: Callable[[], Schedule], *, hot: bool) -> Schedule:
-        """The schedule under ``key``, built with ``build()`` if it is not kept (once for every caller).
-
-        Raises ``ScheduleLimitError`` for a build for a request beyond the
-        limits, ``ScheduleBusyError`` for an inspection beyond its queue.
-        """
-        client = _CLIENT.get() if hot else None
-        deadline: float | None = None
-        dropped = 0
-        try:
-            with self._changed:
-                while True:
-                    kept, swept = self._hit(key, hot)
-                    dropped += swept
-                    if kept is not None:
-                        return kept
-                    if key in self._building:
-                        self._changed.wait()  # built by another caller: take theirs
-                        continue
-                    if hot:
-                        if client is None:
-                            break  # a stream's own build
-                        refused, can_wait = self._refusal(client)
-                        if refused is None:
-                            break
-                        if not can_wait:
-                            raise refused
-                        if deadline is None:
-                            deadline = self._clock() + BUILD_WAIT_S
-                        left = deadline - self._clock()
-                        if left <= 0:
-                            raise refused
-                        self._changed.wait(left)  # other requests' builds fill the limit: one may end
-                        continue
-                    if not self._cold_building:
-                        break
-                    if deadline is None:
-                        if self._cold_waiting >= MAX_COLD_WAITING:
-                            raise self._busy()
-                        deadline = self._clock() + COLD_WAIT_S
-                    left = deadline - self._clock()
-                    if left <= 0:
-                        raise self._busy()
-                    self._cold_waiting += 1
-                    try:
-                        self._changed.wait(left)
-                    finally:
-                        self._cold_waiting -= 1
-                self._building.add(key)
-                if client is not None:
-                    self._claiming[key] = client
-                if not hot:
-                    self._cold_building = True
-        finally:
-            self._trim(dropped)
-        built: Schedule | None = None
-        try:
-            built = build()
-            return built
-        finally:
-            with self._changed:
-                self._building.discard(key)
-                self._claiming.pop(key, None)
-                if not hot:
-                    self._cold_building = False
-                if built is not None:
-                    self._items[key] = _Entry(built, self._clock() if hot else -math.inf, client)
-                    dropped = self._evict()
-                self._changed.notify_all()
-            self._trim(dropped)
-
-    def warm(self, key: tuple[str, int], build: Callable[[], Schedule]) -> None:
-        """Build ``key``'s schedule on a thread of its own unless it is kept or being built.
-
-        A stream's own build (its next epoch): never refused, whatever context it is called in.
-        """
-        with self._changed:
-            if key in self._items or key in self._building:
-                return
-        threading.Thread(
-            target=contextvars.Context().run,
-            args=(self.get, key, build),
-            kwargs={"hot": True},
-            name=f"ladle-plan-{key[1]}",
-            daemon=True,
-        ).start()
-
-    def _kept(self, now: float) -> tuple[list[tuple[str, int]], list[tuple[str, int]]]:
-        """(recent, idle): the schedules no stream is on, least recently used first (see the class)."""
-        hot = {key for key, entry in self._items.items() if now - entry.used <= self.hot_s}
-        hot.update([(fingerprint, epoch + 1) for fingerprint, epoch in hot])
-        recent: list[tuple[str, int]] = []
-        idle: list[tuple[str, int]] = []
-        for key in self._items:
-            if not self._in_use(key):
-                (recent if key in hot else idle).append(key)
-        return recent, idle
-
-    def _refusal(self, client: str) -> tuple[ScheduleLimitError | None, bool]:
-        """Why ``client`` may not have a schedule built now (None: it may), and whether waiting may help."""
-        now = self._clock()
-        recent, _ = self._kept(now)
-        claimed = [(self._items[key].owner, self._items[key].used) for key in recent]
-        claimed = [(owner, used) for owner, used in claimed if owner is not None]
-        building = list(self._claiming.values())
-        mine = sum(1 for owner, _ in claimed if owner == client) + building.count(client)
-        # the seconds until the first claimed schedule (of the client's, when its limit is the one) ages
-        ages = [used for owner, used in claimed if math.isfinite(used)]
-        if mine >= self.per_client:
-            ages = [used for owner, used in claimed if owner == client and math.isfinite(used)] or ages
-            return self._exhausted(client, mine, len(building), ages, now, per_client=True), False
-        if len(claimed) >= self.most:
-            return self._exhausted(client, len(claimed), len(building), ages, now), False
-        if len(claimed) + len(building) >= self.most:
-            return self._exhausted(client, len(claimed) + len(building), len(building), ages, now), True
-        return None, False
-
-    def _exhausted(
-        self,
-        client: str,
-        held: int,
-        building: int,
-        ages: list[float],
-        now: float,
-        *,
-        per_client: bool = False,
-    ) -> ScheduleLimitError:
-        retry = max(1, math.ceil(min(ages, default=now) + self.hot_s - now))
-        what = (
-            f"schedules that no stream uses and that requests had this batch server build in the last "
-            f"{self.hot_s:.0f} s (new world sizes or start epochs; {building} building now)"
-        )
-        if per_client:
-            message = (
-                f"client {client} already holds {held} {what}; its limit (ladle serve "
-                f"--max-schedules-per-client) is {self.per_client}"
-            )
-        else:
-            message = (
-                f"this batch server already holds {held} {what}; its limit (ladle serve --max-schedules) "
-                f"is {self.most}"
-            )
-        return ScheduleLimitError(
-            f"{message}. Each holds about 10 bytes a dataset row. Ask again in {retry} s, when the "
-            "oldest is no longer kept for its trainer to come back to, or raise the limit",
-            "too_many_schedules_per_client" if per_client else "too_many_schedules",
-            retry,
-        )
-
-    def _evict(self) -> int:
-        """Drop what is over the limits (see the class); returns how many schedules went.
-
-        The epoch after one in use counts as in use: it was prepared ahead
-        (``Job.warm``) for the streams that reach its boundary, maybe hours
-        later, and dropping it would pause them while it is built again.
-        """
-        now = self._swept = self._clock()
-        recent, idle = self._kept(now)
-        drop = idle[: max(0, len(idle) - self.spare)]
-        over = len(recent) - self.most
-        if over > 0:  # streams that ended on epochs no request built: theirs go first
-            unclaimed = [key for key in recent if self._items[key].owner is None][:over]
-            drop += unclaimed
-            over -= len(unclaimed)
-            owners: dict[str, list[tuple[str, int]]] = {}
-            for key in recent:
-                owner = self._items[key].owner
-                if owner is not None:
-                    owners.setdefault(owner, []).append(key)
-            for _ in range(over):
-                largest = max(owners.values(), key=len)
-                drop.append(largest.pop(0))
-        for key in drop:
-            del self._items[key]
-        if drop:
-            self._untrimmed = True
-        return len(drop)
-
-    def _trim(self, dropped: int) -> None:
-        """After schedules were dropped: give their memory back to the operating system, on a thread."""
-        if not dropped or _malloc_trim() is None:
-            return
-        with self._changed:
-            if self._trimming or not self._untrimmed:
-                return
-            self._trimming = True
-        threading.Thread(target=self._trim_freed, name="ladle-trim", daemon=True).start()
-
-    def _trim_freed(self) -> None:
-        trim = _malloc_trim()
-        while True:
-            with self._changed:
-                if not self._untrimmed or trim is None:
-                    self._trimming = False
-                    return
-                self._untrimmed = False
-            trim(0)  # a few ms: returns the free pages of every arena (numpy's large arrays among them)
-
-    @staticmethod
-    def _busy() -> ScheduleBusyError:
-        return ScheduleBusyError(
-            "the server is already building the schedules of other epochs for inspection "
-            f"(one at a time, {MAX_COLD_WAITING} waiting at most); ask again in a few seconds"
-        )
 
 
 class Job:
@@ -719,13 +284,6 @@ class Job:
             steps_in_epoch=sched.num_steps,
         )
 
-    def check_rank(self, rank: int, world_size: int) -> None:
-        """Refuse a rank outside the job or a world size other than the job's."""
-        if world_size != self.world_size:
-            raise WorldSizeMismatchError(self.name, self.world_size, world_size)
-        if not 0 <= rank < world_size:
-            raise ConfigError("rank", f"{rank} is outside 0..{world_size - 1} (world_size={world_size})")
-
     def is_stored_as(self, state: JobState) -> bool:
         """True if ``state`` is this job as it was built: same world size, resize history and incarnation."""
         return (self.world_size, self.plan, self.incarnation) == (
@@ -772,9 +330,6 @@ class Job:
             cache=self.cache,
         )
 
-    def join(self, rank: int) -> RankState:
-        return self.store.join(self.name, rank, self.world_size)
-
     def state(self) -> JobState:
         return self.store.get(self.name)
 
@@ -799,6 +354,139 @@ class JobRegistry:
         self._known = KNOWN_JOBS
         self._lock = threading.Lock()
         self.schedules = ScheduleCache(spare, most=max_schedules, per_client=schedules_per_client)
+        self.aligned = AlignedStarts()
+
+    def attach(self, claim: Claim) -> RankLease:
+        """Join ``claim``'s rank as a new trainer process and place it: the lease its stream holds.
+
+        The job is opened (created, or resized if ``claim.elastic``), the
+        claim's checkpoint placed in its schedule, then the rank joined (a new
+        generation, which fences the rank's earlier process) and positioned by
+        ``decide_start``. Store operations: a read and the join, and one of a
+        create, a resize, a rewind or a reconcile (two for a job the store
+        lost that a trainer resumes). Every refusal that does not depend on the
+        join comes before it.
+        """
+        job, state = self._open_for(claim)
+        given = placed(job, claim)
+        opening = Opening(job.name, claim.rank, given, claim.own_cursor, claim.resume)
+        joined = self.store.join(job.name, claim.rank, job.world_size)
+        # a start at the job's cursor decides on the ranks as read before the join: the rank's own
+        # entry then still says when it last moved, which tells its earlier stream from a stale cursor
+        decision = self._decide(job, opening, joined, state.ranks if opening.aligned else ())
+        start = decision.start
+        if decision.aligned:
+            self.aligned.remember(job.name, claim.rank, joined, start)
+        notes = decision.notes
+        try:
+            if decision.refusal:
+                raise StreamAbortedError(
+                    "invalid_argument", "bad_resume", decision.refusal, "open.resume.generation"
+                )
+            if decision.reconcile is not None:
+                joined = self.store.reconcile(job.name, claim.rank, decision.reconcile.generation, start)
+                notes += (decision.reconcile.note,)
+            elif decision.rewind and start != joined.position:  # equal: a write that changes nothing
+                joined = self.store.rewind(job.name, claim.rank, joined.generation, start)
+        except LadleError:
+            for note in notes:  # decided before the refusal: said as an Open that succeeds says them
+                log.log(note.level, "%s", note.message)
+            raise
+        return RankLease(job, claim.rank, joined.generation, start, joined.position, notes, self.aligned)
+
+    def _open_for(self, claim: Claim) -> tuple[Job, JobState]:
+        """The job ``claim`` opens and its state before the rank joins: one store read, and a store
+        write only to create the job (as ``open`` does) or to resize it."""
+        name, world_size = claim.job, claim.world_size
+        spec = JobSpec(name, self.dataset.fingerprint, self.config.fingerprint(), world_size)
+        known = self.get(name)
+        state: JobState | None
+        try:
+            state = self.store.get(name)
+        except JobNotFoundError:
+            state = None
+        try:
+            if state is not None:
+                check_identity(state.spec, spec)
+            else:
+                if known is None:
+                    if claim.fingerprint is not None:
+                        self._refuse_unrestorable(name, world_size, claim.fingerprint)
+                    self._build_first(name, world_size)
+                state = self.store.open_job(
+                    spec,
+                    incarnation=(known.incarnation or None) if known else None,
+                    plan=known.plan if known else (),
+                )
+        except JobMismatchError as exc:
+            raise self._explained(exc) from None
+        except WorldSizeMismatchError as exc:
+            if not claim.elastic:
+                raise
+            state = self._resize(name, exc.stored, world_size, claim.checkpoint, state)
+        return self._job_for(state), state
+
+    def preview(
+        self, name: str, world_size: int, epoch: int | None, rank: int | None = None, own_cursor: bool = False
+    ) -> tuple[Job, int, Schedule]:
+        """The job ``name``, the epoch described and its schedule (Describe; nothing joins).
+
+        ``epoch`` None: the epoch of the job's slowest rank, or with ``rank``
+        the epoch its stream would start in if it opened now with no
+        checkpoint (as ``attach`` starts it). A job the store does not hold is
+        ``JobNotFoundError`` unless ``world_size`` is given (0: not given):
+        then it is the job a trainer of that world size would create, built
+        here and stored nowhere, as an inspection builds (``ScheduleBusyError``
+        when too many builds run: nothing a stream uses, so anyone asking for
+        many world sizes holds no more schedules than the spare ones). An epoch
+        other than the job's own is built the same way. ``ConfigError`` for
+        an epoch or rank no Open would take (a rank is checked against the
+        ``world_size`` asked for: an elastic restart's new rank may be beyond
+        the stored job's).
+        """
+        if epoch is not None and epoch > MAX_INDEX:
+            raise ConfigError("epoch", f"must be in 0..{MAX_INDEX}, got {epoch}")
+        if rank is not None and world_size and rank >= world_size:
+            raise ConfigError("rank", f"{rank} is outside 0..{world_size - 1} (world_size={world_size})")
+        try:
+            job = self.get(name)
+            state = self.store.get(name)  # (a job this server knew may be gone from the store since)
+            if job is None:
+                self.view(state)  # refuses a job of another dataset or config
+                job = self._job_for(state)
+        except JobNotFoundError:
+            if not world_size:
+                raise
+            job = self.unstored(name, world_size)
+            at = 0 if epoch is None else epoch
+            return job, at, job.schedule(at)
+        current = min(r.position.epoch for r in state.ranks) if state.ranks else 0
+        at = current if epoch is None else epoch
+        mine = next((r for r in state.ranks if r.rank == rank), None) if epoch is None else None
+        if mine is not None:  # where attach would start it (the job's cursor unless own_cursor)
+            opening = Opening(job.name, mine.rank, own_cursor=own_cursor)
+            at = self._decide(job, opening, mine, state.ranks, describe=True).start.epoch
+        return job, at, job.schedule(at, hot=at == current)
+
+    def _decide(
+        self,
+        job: Job,
+        opening: Opening,
+        joined: RankState,
+        ranks: Sequence[RankState],
+        *,
+        describe: bool = False,
+    ) -> StartDecision:
+        """``decide_start`` with the other ranks' recent starts at the job's cursor this server began."""
+        return decide_start(
+            opening,
+            joined=joined,
+            ranks=ranks,
+            aligned_starts=self.aligned.of_others(job.name, opening.rank, ranks),
+            incarnation=job.incarnation,
+            positions=HotPositions(job),
+            describe=describe,
+        )
 
     def open(
         self,
@@ -871,6 +559,10 @@ class JobRegistry:
             return
         except JobNotFoundError:
             pass
+        self._refuse_unrestorable(name, world_size, fingerprint)
+
+    def _refuse_unrestorable(self, name: str, world_size: int, fingerprint: str) -> None:
+        """``check_restorable`` for a job neither the store nor this server knows."""
         plain = schedule_fingerprint(self.dataset.fingerprint, self.config.fingerprint(), world_size)
         for version in range(ALGORITHM_VERSION - 1, 0, -1):
             old = schedule_fingerprint(
@@ -894,21 +586,25 @@ class JobRegistry:
             )
 
     def _check_new(self, name: str, world_size: int) -> None:
-        """Build epoch 0 of a job the store does not hold yet before creating it there.
-
-        A world size the dataset cannot fill (``ScheduleError``: no complete
-        step) is then refused with nothing stored; created first, the job was
-        left behind as the one updated last, and the page and ``ladle
-        inspect`` failed on it for everyone. So is a build beyond the limits
-        on schedules (``ScheduleLimitError``, inside ``ScheduleCache.admitting``):
-        a client churning through world sizes leaves no job behind. The
-        schedule is the one the job's first stream uses next (the cache keeps it).
-        """
+        """``_build_first`` unless the store holds the job already."""
         try:
             self.store.get(name)
             return  # stored already: its schedule was built before
         except JobNotFoundError:
             pass
+        self._build_first(name, world_size)
+
+    def _build_first(self, name: str, world_size: int) -> None:
+        """Build epoch 0 of a job the store does not hold yet before creating it there.
+
+        A world size the dataset cannot fill (``ScheduleError``: no complete
+        step) is then refused with nothing stored, rather than left behind as
+        a job the page and ``ladle inspect`` fail on. So is a build beyond the
+        limits on schedules (``ScheduleLimitError``, inside
+        ``ScheduleCache.admitting``): a client churning through world sizes
+        leaves no job behind. The schedule is the one the job's first stream
+        uses next (the cache keeps it).
+        """
         self.unstored(name, world_size).schedule(0, hot=True)
 
     def unstored(self, name: str, world_size: int) -> Job:
@@ -928,7 +624,12 @@ class JobRegistry:
     RESIZE_SETTLE_POLL_S: Final = 0.05
 
     def _resize(
-        self, name: str, old_size: int, new_size: int, checkpoint: tuple[Position, str] | None
+        self,
+        name: str,
+        old_size: int,
+        new_size: int,
+        checkpoint: tuple[Position, str] | None,
+        state: JobState | None = None,
     ) -> JobState:
         """Resize job ``name`` from ``old_size`` to ``new_size`` ranks (``open``'s elastic path).
 
@@ -961,9 +662,10 @@ class JobRegistry:
         old world at it continues the re-plan (``Job.translate``). The check
         and the store's resize are two operations: a rank of the old world
         still streaming may move in between (forward only, which never turns
-        an accepted cut into a lossy one).
+        an accepted cut into a lossy one). ``state``: the job as just read, if it was.
         """
-        state = self.store.get(name)
+        if state is None:
+            state = self.store.get(name)
         old = self._job_for(state)
         cut = None
         past: list[tuple[int, Position]] = []

@@ -7,9 +7,9 @@ the rank's state after it) and what the server remembers (the other ranks'
 recent starts at the job's cursor), and says where the rank starts, what the
 store is to be told (a rewind, or a reconcile after lost writes), what to log
 and whether the start is one at the job's cursor that later Opens align to.
-It reads no store, clock or log: the caller (``BatchServicer._open``, and
-``_describe`` asking where a rank would start) gathers the data and applies
-the result.
+It reads no store, clock or log: the caller (``JobRegistry.attach``, and
+``JobRegistry.preview`` asking where a rank would start) gathers the data and
+applies the result.
 """
 
 from __future__ import annotations

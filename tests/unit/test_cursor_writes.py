@@ -9,7 +9,8 @@ from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 from typing import Any
 
-from ladle.service.grpc_server import _Session
+from ladle.service.flow import StreamSession
+from ladle.service.lease import RankLease
 from ladle.service.store.base import Position
 
 
@@ -34,12 +35,12 @@ class Failing(Store):
         raise RuntimeError("the store is gone")
 
 
-def session(store: Store, executor: Any = None) -> _Session:
+def session(store: Store, executor: Any = None) -> StreamSession:
     job: Any = SimpleNamespace(name="j", store=store)
-    return _Session(job, 0, 1, Position(0, 0), 4, flush_every=0.05, store_executor=executor)
+    return StreamSession(RankLease(job, 0, 1, Position(0, 0)), 4, flush_every=0.05, store_executor=executor)
 
 
-def in_flight(s: _Session) -> Any:
+def in_flight(s: StreamSession) -> Any:
     return s.writing
 
 
@@ -169,14 +170,14 @@ def test_a_late_write_never_brings_back_a_deleted_job_nor_moves_a_new_run(tmp_pa
         job: Any = SimpleNamespace(
             name="j", store=store, is_stored_as=lambda state: state.incarnation == first.incarnation
         )
-        s = _Session(job, 0, generation, Position(0, 0), 4)
-        assert s.write_late(Position(0, 5))
+        s = RankLease(job, 0, generation, Position(0, 0))
+        assert s.store_late(Position(0, 5))
         assert store.get("j").ranks[0].position == Position(0, 5)
         store.delete_job("j")
-        assert not s.write_late(Position(0, 9)), "a deleted job came back"
+        assert not s.store_late(Position(0, 9)), "a deleted job came back"
         assert store.list_jobs() == []
         store.open_job(spec)  # a new run under the name: another incarnation, generation 1 again
         assert store.join("j", 0, 1).generation == generation
         store.advance("j", 0, generation, Position(0, 2))
-        assert not s.write_late(Position(0, 9)), "an old run's position moved the new run's cursor"
+        assert not s.store_late(Position(0, 9)), "an old run's position moved the new run's cursor"
         assert store.get("j").ranks[0].position == Position(0, 2)

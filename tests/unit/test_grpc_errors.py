@@ -55,7 +55,7 @@ def test_an_unexpected_error_in_describe_is_a_counted_internal(
     def broken(*args: Any) -> None:
         raise KeyError("dataset_fingerprint")
 
-    monkeypatch.setattr(servicer, "_describe", broken)
+    monkeypatch.setattr(registry, "preview", broken)
     context = Context()
     try:
         with caplog.at_level("ERROR"), pytest.raises(AbortedError, match="internal error: KeyError"):

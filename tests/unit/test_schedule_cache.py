@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 
-from ladle.service import jobs
+from ladle.service import jobs, schedule_cache
 from ladle.service.errors import JobNotFoundError, ScheduleBusyError, ScheduleLimitError
 from ladle.service.http import Inspector, create_app
 from ladle.service.jobs import JobRegistry, ScheduleCache
@@ -383,11 +383,11 @@ def test_a_build_in_progress_counts_and_the_others_wait_for_it(monkeypatch: pyte
     assert results["a1"].reason == "too_many_schedules_per_client"
     ask("b", ("b", 0), lambda: "b")  # 1 building + 1 claimed: the server's limit
     assert results["b0"] == "b"
-    monkeypatch.setattr(jobs, "BUILD_WAIT_S", 0.2)
+    monkeypatch.setattr(schedule_cache, "BUILD_WAIT_S", 0.2)
     ask("c", ("c", 0), lambda: "c")
     assert isinstance(results["c0"], ScheduleLimitError), "a build beyond the limit ran"
     assert results["c0"].reason == "too_many_schedules"
-    monkeypatch.setattr(jobs, "BUILD_WAIT_S", 30.0)
+    monkeypatch.setattr(schedule_cache, "BUILD_WAIT_S", 30.0)
     waiting = threading.Thread(target=ask, args=("d", ("d", 0), lambda: "d"))
     waiting.start()  # a crowd reconnecting: it waits for the build in progress ...
     time.sleep(0.3)
@@ -429,7 +429,7 @@ def test_dropped_schedules_give_their_memory_back(monkeypatch: pytest.MonkeyPatc
         trimmed.set()
         return 1
 
-    monkeypatch.setattr(jobs, "_malloc_trim", lambda: trim)
+    monkeypatch.setattr(schedule_cache, "_malloc_trim", lambda: trim)
     clock = Clock()
     cache = ScheduleCache(spare=1, hot_s=60, clock=clock)
     cache.get(("a", 0), lambda: np.ones(1 << 20), hot=False)  # type: ignore[arg-type,return-value]
