@@ -11,20 +11,14 @@ Every figure is printed beside a baseline measured in the same run, on
    (2 readers, and 1 reader for all of them): the physical limit. Beside
    them, the same frames in ladle's call shape with no ladle logic (a
    grpc.aio server, a bidirectional stream with credits returned at three
-   quarters of the window, BatchClient's reader thread polling the call's
-   own completion queue): it splits the gap to the
-   bare stream into what the call shape costs and what ladle's own work per
-   batch costs. And ladle once more with the client reading through
-   grpcio's iterator (the fallback reader, ``LADLE_CLIENT_READER=thread``):
-   what the polled reader gains. And ladle and the bare stream once more with
-   the server process on one CPU and the client processes on the other
-   (``sched_setaffinity``; Linux, 2 CPUs or more): a server with a core of its
-   own, as deployed, where the figure's setup shares both cores. The client
-   processes use the transport ``ladle`` chooses for grpcio's import
-   (``ladle.proto.transport``: iomgr's poller), for ladle and the bare stream
-   alike; a second pair of client processes runs ladle and the bare stream
-   on grpcio's own default transport (the EventEngine, ``GRPC_EXPERIMENTS``
-   set empty), so the transport's effect on both is shown. The ratios
+   quarters of the window, read through grpcio's iterator by a reader thread
+   as BatchClient's is): it splits the gap to the bare stream into what the
+   call shape costs and what ladle's own work per batch costs. And ladle and
+   the bare stream once more with the server process on one CPU and the
+   client processes on the other (``sched_setaffinity``; Linux, 2 CPUs or
+   more): a server with a core of its own, as deployed, where the figure's
+   setup shares both cores. Every client runs on grpcio's own default
+   transport, through its public API. The ratios
    are paired per repeat (runs seconds apart) and their medians reported,
    as in ``bench_wire``. CPU per batch (server process, and the clients'
    processes, all threads) says where the cores went.
@@ -82,7 +76,7 @@ from benchmarks.bench_wire import (
     _stop_all,
     _tcp_serve,
 )
-from ladle.proto import rpc, transport
+from ladle.proto import rpc
 from ladle.service.synth import make_dataset
 
 PREFETCH = 8
@@ -320,27 +314,11 @@ def _ladle_epoch(
     world_size: int,
     start_at: float,
     client_kwargs: dict[str, Any] | None = None,
-    reader: str = "polled",
 ) -> dict[str, Any]:
     """One epoch of one rank through BatchClient (numpy): counts, bytes and times.
 
-    ``client_kwargs`` go to ``BatchClient`` too (a token, TLS certificates);
-    ``reader="thread"`` reads through grpcio's iterator (the fallback) instead
-    of the polled reader, as ``LADLE_CLIENT_READER=thread`` would.
+    ``client_kwargs`` go to ``BatchClient`` too (a token, TLS certificates).
     """
-    from ladle.client import client as client_module
-
-    default_reader = client_module._READER
-    client_module._READER = reader  # read when a BatchClient is made; this worker's own
-    try:
-        return _ladle_epoch_read(address, job, rank, world_size, start_at, client_kwargs or {})
-    finally:
-        client_module._READER = default_reader
-
-
-def _ladle_epoch_read(
-    address: str, job: str, rank: int, world_size: int, start_at: float, client_kwargs: dict[str, Any]
-) -> dict[str, Any]:
     from ladle.client import BatchClient
 
     sizes: list[int] = []
@@ -349,7 +327,7 @@ def _ladle_epoch_read(
     _sleep_until(start_at)
     began, cpu = time.monotonic(), time.process_time()
     with BatchClient(
-        rank, world_size, address, job, prefetch=PREFETCH, timeout=WAIT_S, **client_kwargs
+        rank, world_size, address, job, prefetch=PREFETCH, timeout=WAIT_S, **(client_kwargs or {})
     ) as client:
         for batch in client:
             now = time.monotonic()
@@ -437,21 +415,28 @@ def _bare_grpc(port: int, rank: int, start_at: float) -> dict[str, Any]:
 def _shape_grpc(port: int, rank: int, start_at: float) -> dict[str, Any]:
     """Read one rank's frames from the shape server as BatchClient reads, with no ladle logic.
 
-    A bidirectional call on the channel whose completion queue a reader
-    thread polls itself (``ladle.client._direct``, BatchClient's reader),
-    which queues each frame for the caller's thread, and credits returned in
+    A bidirectional call read through grpcio's iterator by a reader thread
+    (as BatchClient's reader is), which queues each frame for the caller's
+    thread, and credits returned through the call's request iterator in
     groups of three quarters of the window (``PREFETCH``): the threads and
     upstream messages of ``BatchClient``, without decoding a frame.
     """
-    from ladle.client._direct import DirectCall
+    import grpc
 
     frames: queue.SimpleQueue[Any] = queue.SimpleQueue()
+    credits: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
     group = max(1, PREFETCH * 3 // 4)
 
-    def read(call: DirectCall) -> None:
+    def requests() -> Iterator[bytes]:
+        while (message := credits.get()) is not None:
+            yield message
+
+    def read(call: Any) -> None:
         try:
-            while (message := call.receive()) is not None:
+            for message in call:
                 frames.put(message)
+        except grpc.RpcError:  # cancelled at the end
+            pass
         finally:
             frames.put(None)
 
@@ -460,16 +445,18 @@ def _shape_grpc(port: int, rank: int, start_at: float) -> dict[str, Any]:
     with _raw_channel(port) as channel:
         _sleep_until(start_at)
         began, cpu = time.monotonic(), time.process_time()
-        first = rank.to_bytes(4, "little") + PREFETCH.to_bytes(4, "little")
-        call = DirectCall(channel, f"/{BARE_SERVICE}/Shaped", first)
+        credits.put(rank.to_bytes(4, "little") + PREFETCH.to_bytes(4, "little"))
+        call = channel.stream_stream(f"/{BARE_SERVICE}/Shaped")(requests())
         reader = threading.Thread(target=read, args=(call,), daemon=True)
         reader.start()
         while (message := frames.get(timeout=WAIT_S)) is not None:
             count.add(message)
             owed += 1
-            if owed >= group and call.send(owed.to_bytes(4, "little")):
-                owed = 0  # (a credit still in flight: sent with the next group)
+            if owed >= group:
+                credits.put(owed.to_bytes(4, "little"))
+                owed = 0
         cpu = time.process_time() - cpu
+        credits.put(None)
         call.cancel()
         reader.join(timeout=WAIT_S)
     return count.result(began, cpu)
@@ -651,13 +638,7 @@ def _latency(address: str, job: str, batches: int, device: Any = None) -> dict[s
 _SYNCED = frozenset({"ladle_epoch", "bare_grpc", "shape_grpc", "tcp"})  # jobs that take start_at
 
 
-def _transport() -> dict[str, Any]:
-    """The client transport this worker process's grpcio runs on, in words."""
-    return {"transport": transport.chosen()}
-
-
 _JOBS: dict[str, Callable[..., dict[str, Any]]] = {
-    "transport": _transport,
     "ladle_epoch": _ladle_epoch,
     "bare_grpc": _bare_grpc,
     "shape_grpc": _shape_grpc,
@@ -690,8 +671,7 @@ def _worker(jobs: Any, results: Any) -> None:
 class _Clients:
     """``n`` worker processes (spawn: grpc and fork do not mix); ``run`` starts jobs on them together."""
 
-    def __init__(self, n: int, daemon: bool = True, env: dict[str, str] | None = None) -> None:
-        """``env``: variables the processes start with (beside this process's environment)."""
+    def __init__(self, n: int, daemon: bool = True) -> None:
         self.ctx = mp.get_context("spawn")
         self.results = self.ctx.Queue()
         self.jobs = [self.ctx.Queue() for _ in range(n)]
@@ -701,17 +681,8 @@ class _Clients:
             )
             for i, q in enumerate(self.jobs)
         ]
-        saved = {key: os.environ.get(key) for key in env or {}}
-        os.environ.update(env or {})
-        try:
-            for process in self.processes:
-                process.start()
-        finally:
-            for key, value in saved.items():
-                if value is None:
-                    os.environ.pop(key, None)
-                else:
-                    os.environ[key] = value
+        for process in self.processes:
+            process.start()
 
     def run(self, name: str, kwargs: list[dict[str, Any]], delay: float = 0.5) -> list[dict[str, Any]]:
         """Run ``name`` on the first len(kwargs) workers, starting together after ``delay`` seconds."""
@@ -810,8 +781,6 @@ def _median(runs: list[dict[str, Any]], key: str, digits: int = 3) -> float:
 def bench_throughput(dataset: Path, workdir: Path, repeats: int) -> dict[str, Any]:
     """Figure 1: 2 ranks of world size 2, one epoch each, beside bare gRPC and raw TCP."""
     clients = _Clients(2)
-    # the same clients on grpcio's own transport: a GRPC_EXPERIMENTS of their own (empty) is theirs
-    default_clients = _Clients(2, env={"GRPC_EXPERIMENTS": ""})
     ctx = clients.ctx
     stop = ctx.Event()
     ports = ctx.Queue()
@@ -820,22 +789,15 @@ def bench_throughput(dataset: Path, workdir: Path, repeats: int) -> dict[str, An
     server: _Ladle | None = None
     runs: dict[str, list[dict[str, Any]]] = {
         "ladle": [],
-        "ladle_thread_reader": [],
         "bare_grpc": [],
         "shape_grpc": [],
         "tcp_2_readers": [],
         "tcp_1_reader": [],
         "ladle_own_core": [],
         "bare_grpc_own_core": [],
-        "ladle_grpc_default_transport": [],
-        "bare_grpc_default_transport": [],
     }
     cpus = _two_cpus()
     try:
-        transports = {
-            "clients": clients.run("transport", [{}])[0]["transport"],
-            "default_transport_clients": default_clients.run("transport", [{}])[0]["transport"],
-        }
         server = _Ladle(dataset, workdir, "throughput")
         for r in range(repeats):
             # Repeats outermost: a burst of load from elsewhere hits every case once.
@@ -850,23 +812,6 @@ def bench_throughput(dataset: Path, workdir: Path, repeats: int) -> dict[str, An
             )
             sizes: list[list[int]] = ladle.pop("_sizes")
             runs["ladle"].append(ladle)
-            runs["ladle_thread_reader"].append(
-                _timed(
-                    clients,
-                    server.pid,
-                    "ladle_epoch",
-                    [
-                        {
-                            "address": server.address,
-                            "job": f"throughput-thread-{r}",
-                            "rank": i,
-                            "world_size": 2,
-                            "reader": "thread",
-                        }
-                        for i in range(2)
-                    ],
-                )
-            )
             if bare is None:
                 frame_bytes = [n for rank_sizes in sizes for n in rank_sizes]
                 bare = ctx.Process(
@@ -893,27 +838,6 @@ def bench_throughput(dataset: Path, workdir: Path, repeats: int) -> dict[str, An
             )
             runs["shape_grpc"].append(
                 _timed(clients, shape.pid, "shape_grpc", [{"port": shape_port, "rank": i} for i in range(2)])
-            )
-            runs["ladle_grpc_default_transport"].append(
-                _timed(
-                    default_clients,
-                    server.pid,
-                    "ladle_epoch",
-                    [
-                        {
-                            "address": server.address,
-                            "job": f"throughput-default-{r}",
-                            "rank": i,
-                            "world_size": 2,
-                        }
-                        for i in range(2)
-                    ],
-                )
-            )
-            runs["bare_grpc_default_transport"].append(
-                _timed(
-                    default_clients, bare.pid, "bare_grpc", [{"port": grpc_port, "rank": i} for i in range(2)]
-                )
             )
             runs["tcp_2_readers"].append(
                 _timed(
@@ -958,7 +882,6 @@ def bench_throughput(dataset: Path, workdir: Path, repeats: int) -> dict[str, An
         if server is not None:
             server.stop()
         clients.close()
-        default_clients.close()
         _stop_all([p for p in (bare, shape) if p is not None])
     for case_runs in runs.values():
         for run in case_runs:
@@ -970,11 +893,7 @@ def bench_throughput(dataset: Path, workdir: Path, repeats: int) -> dict[str, An
     paired = paired_ratio("ladle", "bare_grpc")
     shape_paired = paired_ratio("shape_grpc", "bare_grpc")
     in_shape = paired_ratio("ladle", "shape_grpc")
-    polled = paired_ratio("ladle", "ladle_thread_reader")
     own_core = paired_ratio("ladle_own_core", "bare_grpc_own_core") if cpus is not None else []
-    default_transport = paired_ratio("ladle_grpc_default_transport", "bare_grpc_default_transport")
-    ladle_transport = paired_ratio("ladle", "ladle_grpc_default_transport")
-    bare_transport = paired_ratio("bare_grpc", "bare_grpc_default_transport")
     first = runs["ladle"][0]
     out: dict[str, Any] = {
         "rows": None,
@@ -1005,16 +924,9 @@ def bench_throughput(dataset: Path, workdir: Path, repeats: int) -> dict[str, An
         "ratio_shape_vs_bare_grpc_paired": _r(statistics.median(shape_paired), 2),
         "ratio_ladle_vs_shape_paired": _r(statistics.median(in_shape), 2),
         "shape_ratio_runs": [_r(p, 2) for p in shape_paired],
-        "ratio_polled_vs_thread_reader_paired": _r(statistics.median(polled), 2),
-        "polled_ratio_runs": [_r(p, 2) for p in polled],
         "ratio_own_core_paired": _r(statistics.median(own_core), 2) if own_core else None,
         "own_core_ratio_runs": [_r(p, 2) for p in own_core],
         "own_core_cpus": list(cpus) if cpus is not None else None,
-        "client_transports": transports,
-        "ratio_default_transport_paired": _r(statistics.median(default_transport), 2),
-        "default_transport_ratio_runs": [_r(p, 2) for p in default_transport],
-        "ratio_ladle_transport_vs_default_paired": _r(statistics.median(ladle_transport), 2),
-        "ratio_bare_transport_vs_default_paired": _r(statistics.median(bare_transport), 2),
         "server_log_problems": problems[-10:],
         "target": "ladle / bare gRPC >= 0.70 (GB/s of the same messages); TCP: the physical limit",
         "own_core_note": (
@@ -1022,15 +934,10 @@ def bench_throughput(dataset: Path, workdir: Path, repeats: int) -> dict[str, An
             "the 2 client processes on the other (sched_setaffinity), as when the server has cores of its "
             "own; the issue's figure is ladle / bare gRPC with everything sharing both cores"
         ),
-        "transport_note": (
-            "every case but the *_default_transport ones runs its clients on the transport ladle chooses "
-            "for grpcio (client_transports); ladle_grpc_default_transport and bare_grpc_default_transport "
-            "run the same streams from client processes on grpcio's own default transport"
-        ),
         "shape_note": (
             "shape_grpc: the same frames in ladle's call shape with no ladle logic (grpc.aio server, "
-            "bidirectional stream with credits grouped at 3/4 of the window, a reader thread polling the "
-            "call's own completion queue as BatchClient's does): "
+            "bidirectional stream with credits grouped at 3/4 of the window, read through grpcio's "
+            "iterator by a reader thread as BatchClient's is): "
             "what the call shape alone costs against bare gRPC"
         ),
     }
@@ -1229,25 +1136,11 @@ def summary(results: dict[str, Any]) -> list[str]:
             for case in ("ladle", "shape_grpc", "bare_grpc", "tcp_2_readers")
         )
         + f" ({results['cpus']} cores)",
-        "ladle's call shape with no ladle logic (asyncio server, bidirectional with credits, polled "
-        f"reader thread): {c['shape_grpc']['gb_s']} GB/s -> "
+        "ladle's call shape with no ladle logic (asyncio server, bidirectional with credits, reader "
+        f"thread): {c['shape_grpc']['gb_s']} GB/s -> "
         f"{tp['ratio_shape_vs_bare_grpc_paired']}x bare gRPC; "
         f"ladle is {tp['ratio_ladle_vs_shape_paired']}x of it",
-        f"ladle through grpcio's iterator (the fallback reader): {c['ladle_thread_reader']['gb_s']} GB/s, "
-        f"{c['ladle_thread_reader']['server_cpu_us_per_batch']:,.0f} + "
-        f"{c['ladle_thread_reader']['client_cpu_us_per_batch']:,.0f} us a batch -> the polled reader is "
-        f"{tp['ratio_polled_vs_thread_reader_paired']}x of it",
     ]
-    lines.append(
-        f"client transport: {tp['client_transports']['clients']}; on grpcio's default "
-        f"({tp['client_transports']['default_transport_clients']}): ladle "
-        f"{c['ladle_grpc_default_transport']['gb_s']} GB/s, "
-        f"{c['ladle_grpc_default_transport']['client_cpu_us_per_batch']:,.0f} us a batch in the clients; "
-        f"bare gRPC {c['bare_grpc_default_transport']['gb_s']} GB/s -> "
-        f"{tp['ratio_default_transport_paired']}x; ladle's transport is "
-        f"{tp['ratio_ladle_transport_vs_default_paired']}x the default for ladle, "
-        f"{tp['ratio_bare_transport_vs_default_paired']}x for the bare stream"
-    )
     if tp["ratio_own_core_paired"] is not None:
         lines.append(
             f"the servers on CPU {tp['own_core_cpus'][0]}, the trainers on CPU {tp['own_core_cpus'][1]} (a "

@@ -4,10 +4,6 @@ Imports only grpcio, numpy and the generated protocol (``ladle.proto``); torch
 only when asked for tensors. Never imports ``ladle.service``.
 """
 
-from ladle.proto import transport as _transport
-
-_transport.choose()  # before anything imports grpcio: it reads its transport when imported
-
 from .batch import Batch
 from .client import STATE_VERSION, BatchClient
 from .errors import (

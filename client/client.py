@@ -32,21 +32,15 @@ from typing import Any, cast
 from ladle.proto import codec
 from ladle.proto import ladle_pb2 as pb
 
-from . import _device, _direct
+from . import _device
 from .batch import Batch
 from .config import ClientConfig, channel_credentials, grpc_target, integer
-from .connection import Connection, Stream
+from .connection import Connection
 from .errors import BatchClientError, FencedError
 from .position import STATE_VERSION, RankPosition
-from .reader import ACK_DELAY
+from .reader import ACK_DELAY, Stream
 
 __all__ = ["ACK_DELAY", "STATE_VERSION", "BatchClient", "channel_credentials", "grpc_target"]
-
-# How a stream is read: "auto" (the default: "polled" on the grpcio versions _direct was tested
-# with, else "thread"), "polled" (a reader thread polls the call's own completion queue, on any
-# grpcio that has the calls) or "thread" (grpcio's iterator, read by a reader thread). Both give
-# the same batches. Read when a client is made, so a test or benchmark may set it.
-_READER = os.environ.get("LADLE_CLIENT_READER", "auto")
 
 log = logging.getLogger("ladle.client")
 
@@ -129,9 +123,8 @@ class BatchClient:
         self.server, self.servers = config.server, list(config.servers)
         self.prefetch, self.timeout, self.client_id = config.prefetch, config.timeout, config.client_id
         self.elastic, self.own_cursor = config.elastic, config.own_cursor
-        polled = _READER == "polled" or (_READER != "thread" and _direct.grpc_is_tested())
         convert = _device.converter(config.device, config.pin_memory)
-        self._connection = Connection(config, convert, polled=polled)
+        self._connection = Connection(config, convert)
         self._position = RankPosition(config.job, config.rank, config.world_size, elastic=config.elastic)
         self._cut_short = False  # a take was interrupted where a frame may be lost (see _receive)
         # one thread iterates at a time (two would race each other into streams that fence one

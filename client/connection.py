@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -22,7 +23,6 @@ import grpc
 from ladle.proto import codec, rpc
 from ladle.proto import ladle_pb2 as pb
 
-from . import _direct
 from .batch import Batch
 from .config import ClientConfig
 from .errors import (
@@ -32,7 +32,7 @@ from .errors import (
     ServerUnavailableError,
     StateDictError,
 )
-from .reader import END, PolledStream, ThreadedStream, is_fence
+from .reader import END, Stream, is_fence
 
 __all__ = ["Connection", "Retry", "is_busy"]
 
@@ -43,7 +43,8 @@ _BACKOFF_FIRST, _BACKOFF_MAX = 0.05, 2.0
 # with replicas, the longest one gets to connect before the next is tried (a frozen host accepts
 # TCP but never answers HTTP/2: it would take the whole timeout)
 _CONNECT_TRY_S = 10.0
-# grpcio's connectivity thread watches a channel 0.2 s at a time after its last subscriber left
+# grpcio's connectivity thread (behind grpc.channel_ready_future) watches a channel 0.2 s at a time
+# until it sees that its last subscriber left, and channel.close() waits for that watch to end
 _WATCH_ENDS_S = 0.25
 # grpcio's own answer over a server's maximum_concurrent_rpcs (no ladle.v1.Error with it)
 _GRPC_BUSY = "Concurrent RPC limit exceeded"
@@ -59,7 +60,6 @@ _CHANNEL_OPTIONS = [
     ("grpc.http2.max_pings_without_data", 0),
 ]
 
-Stream = ThreadedStream | PolledStream
 Item = tuple[codec.DecodedBatch, Batch] | codec.DecodedEpochEnd
 
 
@@ -103,12 +103,9 @@ class Connection:
     is collected.
     """
 
-    def __init__(
-        self, config: ClientConfig, convert: Callable[[codec.DecodedBatch], Batch], *, polled: bool
-    ) -> None:
+    def __init__(self, config: ClientConfig, convert: Callable[[codec.DecodedBatch], Batch]) -> None:
         self.config = config
         self.convert = convert
-        self.polled = polled  # read through _direct (else grpcio's iterator)
         self.replica = config.rank % len(config.servers)
         self.channel: Any = None
         self.stub: rpc.BatchServiceClient | None = None
@@ -116,6 +113,8 @@ class Connection:
         self.closed = False
         self.fence: FencedError | None = None
         self.reconnects = 0
+        # until when grpcio's connectivity thread may still watch the channel (see _close_channel)
+        self._watched_until = 0.0
 
     @property
     def address(self) -> str:
@@ -149,10 +148,11 @@ class Connection:
             # not self.channel until it is ready: a close() from another thread meanwhile
             # leaves it to _ready, which stops watching it before it is closed (grpcio's
             # connectivity thread raises on a channel closed under its watch)
-            if self._ready(channel, time.monotonic() + max(0.01, wait)):
+            ready = self._ready(channel, time.monotonic() + max(0.01, wait))
+            self._watched_until = time.monotonic() + _WATCH_ENDS_S
+            if ready:
                 break
-            if not self._watch_here(channel):  # grpcio's thread stops watching it (else it raises at close)
-                time.sleep(_WATCH_ENDS_S)
+            time.sleep(_WATCH_ENDS_S)  # grpcio's thread stops watching it (else it raises at close)
             channel.close()
             self.check_open()
             if time.monotonic() >= deadline or tries <= 1:
@@ -176,22 +176,14 @@ class Connection:
         self.stub = rpc.BatchServiceClient(channel, config.metadata)
         return self.stub
 
-    def _watch_here(self, channel: Any) -> bool:
-        """Watch ``channel`` connect through grpcio's Cython layer, like the polled reader (``wait_ready``).
-
-        ``grpc.channel_ready_future`` leaves a watch for ``close()`` to wait
-        out; ``_direct.wait_ready`` leaves none.
-        """
-        return (self.polled or _direct.grpc_is_tested()) and _direct.can_watch(channel)
-
     def _ready(self, channel: Any, until: float) -> bool:
         """Wait for ``channel`` to connect until ``until``; False at the deadline or once closed.
 
         Waited for in slices, so a ``close()`` from another thread ends the
-        wait at once (a closed channel's ready future never completes).
+        wait at once (a closed channel's ready future never completes). The
+        future's watch runs on grpcio's thread, so a signal's exception
+        (Ctrl-C) raised here leaves no watch behind.
         """
-        if self._watch_here(channel):
-            return _direct.wait_ready(channel, until, lambda: self.closed)
         ready = grpc.channel_ready_future(channel)
         try:
             while not self.closed:
@@ -215,15 +207,7 @@ class Connection:
             raise FencedError(str(self.fence), self.fence.code)
         stub = self.connect(deadline)
         first = pb.StreamRequest(open=opening())
-        prefetch = self.config.prefetch
-        if self.polled and _direct.available(self.channel):
-            try:
-                self.stream = PolledStream(self.channel, self.config.metadata, first, prefetch, self.convert)
-                return self.stream
-            except (TypeError, AttributeError) as exc:  # a grpcio whose Cython layer differs
-                log.warning("rank %d: reading through grpcio's iterator (%s)", self.config.rank, exc)
-                self.polled = False
-        self.stream = ThreadedStream(stub, first, prefetch, self.convert)
+        self.stream = Stream(stub, first, self.config.prefetch, self.convert)
         return self.stream
 
     def drop_stream(self) -> None:
@@ -233,9 +217,23 @@ class Connection:
             self.stream.close()
             self.stream = None
         if self.channel is not None:
-            self.channel.close()
+            self._close_channel(self.channel)
             self.channel = None
             self.stub = None
+
+    def _close_channel(self, channel: Any) -> None:
+        """Close ``channel`` now, or on a thread of its own while grpcio may still watch it.
+
+        ``channel.close()`` waits for the connectivity watch behind the ready
+        future to end (up to 0.2 s after the channel became ready): a client
+        closed soon after it connected (tests, evaluations, short jobs) would
+        wait for it, and nothing of the client's needs the channel by then
+        (its stream has ended).
+        """
+        if time.monotonic() >= self._watched_until:
+            channel.close()
+        else:
+            threading.Thread(target=channel.close, name="ladle-channel-close", daemon=True).start()
 
     def note_fence(self, stream: Stream | None) -> FencedError | None:
         """The fence this client knows of: noted before, or the end of ``stream`` its reader has seen.
@@ -335,7 +333,7 @@ class Connection:
             stream.close(join=join)
             self.note_fence(stream)
         if self.channel is not None:
-            self.channel.close()
+            self._close_channel(self.channel)
             self.channel = None
 
     # --- Describe ---

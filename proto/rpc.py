@@ -13,10 +13,6 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, Final
 
-from ladle.proto import transport
-
-transport.choose()  # before grpcio's import: it reads its transport then
-
 import grpc
 
 from ladle.proto import ladle_pb2 as pb

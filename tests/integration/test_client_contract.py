@@ -24,7 +24,7 @@ import textwrap
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -719,26 +719,25 @@ def test_the_trainers_thread_never_sends_into_grpc(
 
     (An emergency state_dict() in the KeyboardInterrupt handler then hung: 2 of 14 tries in an audit.)
     """
-    from ladle.client import _direct
+    from ladle.client.reader import Stream
 
     senders: set[str] = set()
-    send = _direct.DirectCall.send
+    requests = Stream._request_iter
 
-    def recording(self: Any, message: bytes) -> bool:
-        senders.add(threading.current_thread().name)
-        return bool(send(self, message))
+    def recording(self: Any) -> Iterator[Any]:
+        for request in requests(self):  # each request is taken by the thread that sends it
+            senders.add(threading.current_thread().name)
+            yield request
 
-    monkeypatch.setattr(_direct.DirectCall, "send", recording)
+    monkeypatch.setattr(Stream, "_request_iter", recording)
     me = threading.current_thread().name
     with BatchClient(0, 1, module_server.address, "no-send-here", prefetch=4) as client:
-        if not client._connection.polled:
-            pytest.skip("the threaded reader sends from grpcio's request thread")
         for i, _ in enumerate(client):
             if i % 7 == 0:
                 client.state_dict()  # a flush
             if i == 40:
                 break
-    assert senders, "no acknowledgement went through DirectCall.send"
+    assert senders, "no request went through the stream's request iterator"
     assert me not in senders, f"the trainer's thread sent into gRPC (senders: {sorted(senders)})"
 
 

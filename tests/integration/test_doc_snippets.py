@@ -6,7 +6,7 @@ A block that streams batches (``BatchClient``, ``BatchDataset``,
 (``RANK=0``, ``WORLD_SIZE=1``, ``LADLE_JOB`` set too); any other block runs
 offline in a folder whose ``data/sample`` is a small dataset of
 ``ladle.service.synth.make_dataset``. Each block runs in a fresh interpreter,
-so an import-order note (``ladle.client`` before grpcio) holds as written.
+as a user's script would.
 
 Names a block leaves to the reader (``rank``, ``model``, ``ckpt``, ...) are
 given small real values before it runs: ``READER_NAMES`` lists them, and a
