@@ -79,6 +79,15 @@ class BatchClient:
     (the system's roots); ``client_certificate`` and ``client_key`` (PEM
     bytes or files; default ``LADLE_TLS_CERT``, ``LADLE_TLS_KEY``) answer a
     server that asks for mutual TLS.
+
+    ``dataset=PATH`` (default ``LADLE_DATASET`` when no server is named)
+    serves the dataset in this process instead (``pip install
+    'ladle[server]'``): the same batches, byte for byte, as ``ladle serve
+    PATH`` with the schedule ``config`` (a ``ScheduleConfig``; its defaults
+    when None) would send; ``state=FILE`` keeps the rank's position in an
+    embedded store file, so a crash resumes without a checkpoint (else a
+    temporary one, gone at ``close()``). ``dataset`` with ``server`` is a
+    ``ValueError``.
     """
 
     def __init__(
@@ -100,6 +109,61 @@ class BatchClient:
         root_certificates: bytes | str | os.PathLike[str] | None = None,
         client_certificate: bytes | str | os.PathLike[str] | None = None,
         client_key: bytes | str | os.PathLike[str] | None = None,
+        dataset: str | os.PathLike[str] | None = None,
+        config: Any = None,
+        state: str | os.PathLike[str] | None = None,
+    ) -> None:
+        self._local = None
+        local = _local_dataset(dataset, server)
+        if local is None and (config is not None or state is not None):
+            raise ValueError("config= and state= go with dataset= (the served config is the server's)")
+        if local is not None:
+            from ._local import LocalServer
+
+            self._local = LocalServer(local, config, state)
+            server = self._local.address
+        try:
+            self._setup(
+                rank,
+                world_size,
+                server,
+                job,
+                prefetch,
+                device,
+                timeout,
+                pin_memory,
+                client_id,
+                elastic,
+                own_cursor,
+                token,
+                tls,
+                root_certificates,
+                client_certificate,
+                client_key,
+            )
+        except BaseException:
+            if self._local is not None:
+                self._local.stop()
+            raise
+
+    def _setup(
+        self,
+        rank: int | None,
+        world_size: int | None,
+        server: str | None,
+        job: str | None,
+        prefetch: int,
+        device: Any,
+        timeout: float,
+        pin_memory: bool | None,
+        client_id: str | None,
+        elastic: bool,
+        own_cursor: bool,
+        token: str | None,
+        tls: bool | None,
+        root_certificates: bytes | str | os.PathLike[str] | None,
+        client_certificate: bytes | str | os.PathLike[str] | None,
+        client_key: bytes | str | os.PathLike[str] | None,
     ) -> None:
         config = ClientConfig.from_arguments(
             rank,
@@ -464,10 +528,14 @@ class BatchClient:
         if self._pid != os.getpid():
             self._connection.closed = True
             return
-        if self._connection.note_fence(self._stream) is None:
-            self._consume_held()
-            self._connection.flush()
-        self._connection.close()
+        try:
+            if self._connection.note_fence(self._stream) is None:
+                self._consume_held()
+                self._connection.flush()
+            self._connection.close()
+        finally:
+            if self._local is not None:  # the in-process server goes with its only client
+                self._local.stop()
         self._raise_if_fenced()
 
     def __enter__(self) -> BatchClient:
@@ -511,19 +579,24 @@ class BatchClient:
             # the thread holds the channel too: freed with this client, grpcio's channel would
             # cancel the call at once, before the acknowledgement just flushed has gone
             threading.Thread(
-                target=_end_dropped, args=(stream, connection.channel), name="ladle-client-end", daemon=True
+                target=_end_dropped,
+                args=(stream, connection.channel, self._local),
+                name="ladle-client-end",
+                daemon=True,
             ).start()
         except Exception:
             pass
 
 
-def _end_dropped(stream: Stream, channel: Any) -> None:
-    """End a dropped client's stream gracefully, then its channel (on a thread of its own)."""
+def _end_dropped(stream: Stream, channel: Any, local: Any = None) -> None:
+    """End a dropped client's stream gracefully, then its channel and in-process server (on a thread)."""
     try:
         stream.close(join=1.0)
     finally:
         if channel is not None:
             channel.close()
+        if local is not None:
+            local.stop()
 
 
 # Clients not closed when the interpreter exits are closed then, all at once, so what their trainers
@@ -531,6 +604,17 @@ def _end_dropped(stream: Stream, channel: Any) -> None:
 # failure on that batch (an uncaught exception, or sys.exit after a caught one), and the next
 # process must get it again.
 _LIVE: weakref.WeakSet[BatchClient] = weakref.WeakSet()
+
+
+def _local_dataset(dataset: str | os.PathLike[str] | None, server: str | None) -> str | None:
+    """The dataset to serve in this process: ``dataset``, else ``LADLE_DATASET`` when no server is named."""
+    if dataset is not None and server is not None:
+        raise ValueError("give server= or dataset= (served in this process), not both")
+    if dataset is not None:
+        return os.fspath(dataset)
+    if server is None and not os.environ.get("LADLE_SERVER", "").strip():
+        return os.environ.get("LADLE_DATASET", "").strip() or None
+    return None
 
 
 def _end(client: BatchClient) -> None:
