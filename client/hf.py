@@ -15,6 +15,13 @@ itself, cut by ``Trainer`` into epochs of ``steps_in_epoch(0)`` batches: no
 batch is skipped or repeated at the seams, and a ``Trainer`` epoch may begin
 or end a few batches away from a ladle epoch's (``batch.epoch`` in the
 stream is exact). Needs transformers 5 and torch.
+
+Without a server: ``LadleTrainer(..., train_dataset=ds)`` (a tokenized
+``datasets.Dataset``, no ``client``) batches ``ds`` in this process with
+``ladle.ScheduleSampler`` over its lengths (``schedule_config``: a
+``ScheduleConfig``, its defaults when None), pads with the tokenizer's pad
+id (``processing_class.pad_token_id``, else 0), and saves and resumes the
+sampler's position in every checkpoint the same way.
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoin
 from .batch import Batch
 from .client import BatchClient
 from .errors import BatchClientError
+from .sampler import ScheduleSampler, lengths_of
 from .torch_data import _IN_PROCESS, check_in_process
 
 __all__ = ["LadleTrainer", "TrainerStream", "model_inputs", "state_file"]
@@ -113,6 +121,38 @@ class TrainerStream(IterableDataset[dict[str, torch.Tensor]]):
         raise BatchClientError(_IN_PROCESS)
 
 
+class SamplerStream(IterableDataset[dict[str, torch.Tensor]]):
+    """In-process: ``dataset``'s rows in ``sampler``'s batches, collated, across epochs, with a fixed ``len``.
+
+    As ``TrainerStream``: each iteration goes on where the last one stopped
+    (into the next epoch at an epoch's end), and ``len`` is epoch 0's length.
+    Rows are read one batch at a time, only when ``Trainer`` asks for it, so
+    the sampler's position is always that of the batches handed out.
+    """
+
+    def __init__(self, dataset: Any, sampler: ScheduleSampler, collate: Any) -> None:
+        super().__init__()
+        self.dataset, self.sampler, self.collate = dataset, sampler, collate
+        self._length = len(ScheduleSampler(sampler.lengths, sampler.config, rank=sampler.rank,
+                                           world_size=sampler.world_size))  # fmt: skip
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        check_in_process()
+        while True:
+            got = False
+            for rows in self.sampler:
+                got = True
+                yield self.collate([self.dataset[int(i)] for i in rows])
+            if not got:
+                return
+
+    def __len__(self) -> int:
+        return self._length
+
+    def __getstate__(self) -> dict[str, Any]:
+        raise BatchClientError(_IN_PROCESS)
+
+
 def state_file(checkpoint: str | os.PathLike[str], process_index: int) -> Path:
     """Where one rank's ``state_dict()`` lives in a checkpoint (beside Trainer's ``rng_state_N.pth``)."""
     return Path(checkpoint) / f"ladle_state_{process_index}.json"
@@ -121,7 +161,7 @@ def state_file(checkpoint: str | os.PathLike[str], process_index: int) -> Path:
 class _SaveState(TrainerCallback):
     """Writes the rank's ``state_dict()`` into each checkpoint ``Trainer`` saves."""
 
-    def __init__(self, client: BatchClient) -> None:
+    def __init__(self, client: BatchClient | ScheduleSampler) -> None:
         self.client = client
 
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
@@ -144,10 +184,22 @@ class LadleTrainer(Trainer):
     is ``auto_find_batch_size`` (the server sizes the batches).
     """
 
-    def __init__(self, *args: Any, client: BatchClient | None = None, **kwargs: Any) -> None:
-        for name in ("train_dataset", "data_collator"):
-            if kwargs.get(name) is not None:
-                raise TypeError(f"LadleTrainer takes its batches from ladle: leave out {name}=")
+    def __init__(
+        self,
+        *args: Any,
+        client: BatchClient | None = None,
+        schedule_config: Any = None,
+        **kwargs: Any,
+    ) -> None:
+        dataset = kwargs.pop("train_dataset", None)
+        if kwargs.get("data_collator") is not None:
+            raise TypeError("LadleTrainer takes its batches from ladle: leave out data_collator=")
+        if dataset is not None and client is not None:
+            raise TypeError(
+                "give train_dataset= (batched in this process) or client= (a server's batches), not both"
+            )
+        if dataset is None and schedule_config is not None:
+            raise TypeError("schedule_config= goes with train_dataset= (a server has its own config)")
         super().__init__(*args, **kwargs)
         if self.args.auto_find_batch_size:
             # it retries a failed run from where the stream then is: the batches before the
@@ -157,6 +209,18 @@ class LadleTrainer(Trainer):
                 "max_batch_size size them): leave it off and serve a smaller --token-budget instead"
             )
         rank, world = self.args.process_index, self.args.world_size
+        if not hasattr(Trainer, "get_resumed_dataloader"):
+            # transformers < 5.25 skips a resumed epoch's first batches by reading them, with no
+            # hook to stop it: the loaded position must not be skipped past a second time
+            self.args.ignore_data_skip = True
+        self.stream: TrainerStream | SamplerStream
+        if dataset is not None:
+            sampler = ScheduleSampler(lengths_of(dataset), schedule_config, rank=rank, world_size=world)
+            pad_id = getattr(self.processing_class, "pad_token_id", None)
+            self.ladle: BatchClient | ScheduleSampler = sampler
+            self.stream = SamplerStream(dataset, sampler, sampler.collate(pad_id or 0, with_loss_mask=False))
+            self.add_callback(_SaveState(sampler))
+            return
         if client is None:
             client = BatchClient(rank, world, device=self.args.device)
         elif (client.rank, client.world_size) != (rank, world):
@@ -165,10 +229,6 @@ class LadleTrainer(Trainer):
                 f"{rank} of {world} in Trainer's arguments: make it BatchClient(args.process_index, "
                 "args.world_size, ...)"
             )
-        if not hasattr(Trainer, "get_resumed_dataloader"):
-            # transformers < 5.25 skips a resumed epoch's first batches by reading them, with no
-            # hook to stop it: the loaded position must not be skipped past a second time
-            self.args.ignore_data_skip = True
         self.ladle = client
         self.stream = TrainerStream(client)
         self.add_callback(_SaveState(client))
@@ -201,7 +261,7 @@ class LadleTrainer(Trainer):
 
     def _load_position(self, checkpoint: str | os.PathLike[str]) -> None:
         path = state_file(checkpoint, self.args.process_index)
-        if self.ladle.elastic and not path.exists():
+        if getattr(self.ladle, "elastic", False) and not path.exists():
             # a world larger than the checkpoint's: every new rank loads one position of the
             # same step, and rank 0's will do (the resize re-plans the rest of the epoch)
             path = state_file(checkpoint, 0)

@@ -1,7 +1,8 @@
 """A Hugging Face ``Trainer`` run on ladle's batches, for the LadleTrainer tests.
 
 ``python hf_trainer_proc.py SERVER|env JOB OUT [--max-steps N | --epochs E] [--accumulate A]
-[--save-steps S] [--resume PATH|last] [--elastic]``, alone or under ``torchrun`` (one process a rank).
+[--save-steps S] [--resume PATH|last] [--elastic] [--dataset PATH]``, alone or under ``torchrun``
+(one process a rank).
 
 A tiny Llama made from a config (nothing downloaded) trains on CPU; each
 rank writes ``OUT/rank-R.jsonl``, one line per batch it trained on (a digest
@@ -60,8 +61,12 @@ def run(
     ignore_data_skip: bool = False,
     elastic: bool = False,
     cuda: bool = False,
+    train_dataset: Any = None,
 ) -> dict[str, Any]:
-    """One rank's run; ``cuda``: on the GPU in bf16 (the client's batches on ``args.device``)."""
+    """One rank's run; ``cuda``: on the GPU in bf16 (the client's batches on ``args.device``).
+
+    ``train_dataset``: no server (``server`` is ignored): the dataset batched in this process.
+    """
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
     config = LlamaConfig(
@@ -77,13 +82,17 @@ def run(
     )  # fmt: skip
     # "env": the client LadleTrainer makes itself, from LADLE_SERVER and LADLE_JOB
     given = None
-    if server != "env":
+    if server != "env" and train_dataset is None:
         given = BatchClient(
             args.process_index, args.world_size, server, job, timeout=60, device=args.device, elastic=elastic
         )
     rank = args.process_index
     trainer = RecordingTrainer(
-        model=LlamaForCausalLM(config), args=args, client=given, record=out / f"rank-{rank}.jsonl"
+        model=LlamaForCausalLM(config),
+        args=args,
+        client=given,
+        record=out / f"rank-{rank}.jsonl",
+        **({} if train_dataset is None else {"train_dataset": train_dataset}),
     )
     client = trainer.ladle
     output = trainer.train(resume_from_checkpoint=True if resume == "last" else resume)
@@ -94,7 +103,8 @@ def run(
         "length": len(trainer.get_train_dataloader()),
     }
     (out / f"rank-{rank}.result.json").write_text(json.dumps(result))
-    client.close()
+    if isinstance(client, BatchClient):
+        client.close()
     return result
 
 
@@ -109,10 +119,16 @@ def main() -> None:
     parser.add_argument("--save-steps", type=int, default=0)
     parser.add_argument("--resume")
     parser.add_argument("--elastic", action="store_true")
+    parser.add_argument("--dataset", type=Path, help="no server: this saved dataset, batched in-process")
     a = parser.parse_args()
+    train_dataset = None
+    if a.dataset is not None:
+        import datasets
+
+        train_dataset = datasets.load_from_disk(str(a.dataset))
     run(
         a.server, a.job, a.out, max_steps=a.max_steps, epochs=a.epochs, accumulate=a.accumulate,
-        save_steps=a.save_steps, resume=a.resume, elastic=a.elastic,
+        save_steps=a.save_steps, resume=a.resume, elastic=a.elastic, train_dataset=train_dataset,
     )  # fmt: skip
 
 
