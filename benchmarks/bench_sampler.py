@@ -18,6 +18,12 @@ budget runs out of memory on); the longest run of batches from one bucket
 (ladle's bucket edges) over its lower bound (``run_lower_bound``); and tokens
 a second delivered by ``DataLoader(num_workers=2)`` with ``pad_collate`` from
 an in-memory dataset of those lengths.
+
+``--paths`` (and ``paths()``) times one epoch of a saved production-mix
+dataset read three ways by one trainer, in the same run: a ``ladle serve``
+process and ``BatchClient``; ``BatchClient(dataset=PATH)`` (the server on a
+thread of the trainer's process); and ``DataLoader(num_workers=2)`` over
+``ScheduleSampler`` with ``pad_collate`` (no gRPC).
 """
 
 from __future__ import annotations
@@ -33,7 +39,7 @@ import numpy.typing as npt
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from ladle.client.sampler import ScheduleSampler, pad_collate
+from ladle.client.sampler import ScheduleSampler, lengths_of, pad_collate
 from ladle.service.schedule import ScheduleConfig, resolve_bounds, run_lower_bound
 from ladle.service.schedule.stats import longest_runs
 from ladle.service.synth import production_lengths
@@ -127,6 +133,71 @@ def main(rows: int = 20_000) -> dict[str, Any]:
     return result
 
 
+def paths(rows: int = 20_000) -> dict[str, Any]:
+    """Batches and real tokens a second of one epoch, one trainer, the three ways (see the module)."""
+    import shutil
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    import datasets
+
+    from ladle.client import BatchClient
+    from ladle.service.synth import make_dataset
+
+    root = Path(tempfile.mkdtemp(prefix="ladle-bench-paths-"))
+    server = None
+    try:
+        make_dataset(root / "ds", rows, seed=1, scale=0.25)
+        ready = root / "ready"
+        server = subprocess.Popen(
+            [str(Path(sys.executable).with_name("ladle")), "serve", str(root / "ds"), "--grpc-port", "0",
+             "--no-http", "--state", str(root / "state.db"), "--ready-file", str(ready)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        deadline = time.monotonic() + 120
+        while not ready.exists():
+            if server.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("ladle serve did not start")
+            time.sleep(0.05)
+        address = ready.read_text()
+
+        def clients(make: Any) -> tuple[int, int, float]:
+            began, batches, tokens = time.perf_counter(), 0, 0
+            with make() as client:
+                for batch in client:
+                    batches += 1
+                    tokens += int(batch.lengths.sum())
+            return batches, tokens, time.perf_counter() - began
+
+        def loader() -> tuple[int, int, float]:
+            ds = datasets.load_from_disk(str(root / "ds")).with_format("numpy")
+            sampler = ScheduleSampler(lengths_of(ds), rank=0, world_size=1)
+            began, batches, tokens = time.perf_counter(), 0, 0
+            for batch in DataLoader(ds, batch_sampler=sampler, collate_fn=sampler.collate(0), num_workers=2):
+                batches += 1
+                tokens += int(batch["attention_mask"].sum())
+            return batches, tokens, time.perf_counter() - began
+
+        cases = {
+            "served": lambda: clients(lambda: BatchClient(0, 1, address, "bench-served", timeout=60)),
+            "in_process": lambda: clients(lambda: BatchClient(0, 1, job="bench-local", dataset=root / "ds")),
+            "dataloader": loader,
+        }
+        out: dict[str, Any] = {"rows": rows}
+        for name, case in cases.items():
+            case()  # warm: page cache, imports, the schedule
+            batches, tokens, seconds = case()
+            out[name] = {"batches": batches, "batches_per_s": round(batches / seconds, 1),
+                         "tokens_per_s": round(tokens / seconds)}  # fmt: skip
+        return out
+    finally:
+        if server is not None:
+            server.terminate()
+            server.wait(timeout=30)
+        shutil.rmtree(root, ignore_errors=True)
+
+
 def summary(result: dict[str, Any]) -> list[str]:
     lines = [
         f"sampler, {result['rows']:,} rows of the production mix, token budget {result['token_budget']:,}:"
@@ -141,6 +212,15 @@ def summary(result: dict[str, Any]) -> list[str]:
             f"{f['run_lower_bound']}), DataLoader(num_workers=2) {f['tokens_per_s'] / 1e6:.1f}M tokens/s"
         )
     lines.append(f"  delivered: ladle {result['delivered_ratio']}x group_by_length")
+    if "paths" in result:
+        p = result["paths"]
+        lines.append(
+            f"  one trainer, one epoch of {p['rows']:,} rows: "
+            + "; ".join(
+                f"{name} {p[name]['batches_per_s']:,} batches/s {p[name]['tokens_per_s'] / 1e6:.1f}M tokens/s"
+                for name in ("served", "in_process", "dataloader")
+            )
+        )
     return lines
 
 
@@ -148,8 +228,11 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--rows", type=int, default=20_000)
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--paths", action="store_true", help="also time served, in-process and DataLoader")
     args = parser.parse_args()
     outcome = main(args.rows)
+    if args.paths:
+        outcome["paths"] = paths(args.rows)
     if args.json:
         print(json.dumps(outcome, indent=2))
     print("\n".join(summary(outcome)), file=sys.stderr)
