@@ -518,8 +518,8 @@ def test_a_dropped_client_keeps_its_channel_until_its_stream_has_ended(
     ended: list[bool] = []  # whether the thread was handed the channel (it closes it after the stream)
     end_dropped = client_module._end_dropped
 
-    def recording(stream: Any, channel: Any) -> None:
-        end_dropped(stream, channel)
+    def recording(stream: Any, channel: Any, local: Any = None) -> None:
+        end_dropped(stream, channel, local)
         ended.append(channel is not None)
 
     monkeypatch.setattr(client_module, "_end_dropped", recording)
