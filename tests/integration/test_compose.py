@@ -83,8 +83,8 @@ def test_the_compose_file_follows_the_specification() -> None:
         "redis": {"condition": "service_healthy"},
         "dataset": {"condition": "service_completed_successfully"},
     }
-    # ready as the gRPC health service says (the dataset and Redis answer), not through the HTTP face
-    assert services["ladle"]["healthcheck"]["test"][1:3] == ["ladle", "health"]
+    # ready as /readyz says (the gRPC health service's answer), by a probe that imports only socket
+    assert services["ladle"]["healthcheck"]["test"][1:4] == ["python", "-m", "ladle.service.probe"]
     assert "healthcheck" in services["redis"]
     for name, service in services.items():
         if name.startswith("trainer-"):

@@ -145,3 +145,34 @@ def test_the_server_and_the_trainers_get_the_token_from_a_secret() -> None:
     server = by_kind("Deployment")["ladle"]["spec"]["template"]["spec"]["containers"][0]
     assert "--host=0.0.0.0" in server["args"]
     assert "--insecure" not in server["args"]
+
+
+def containers_of(spec: dict[str, Any]) -> list[dict[str, Any]]:
+    return [*spec.get("initContainers", []), *spec["containers"]]
+
+
+def test_every_workload_passes_pod_security_restricted() -> None:
+    """What the "restricted" Pod Security Standard demands of a pod, checked on every workload."""
+    for spec in pod_specs():
+        pod = spec.get("securityContext", {})
+        assert pod.get("runAsNonRoot") is True, "the pod may run as root"
+        assert pod.get("seccompProfile", {}).get("type") in ("RuntimeDefault", "Localhost"), "no seccomp"
+        for host in ("hostNetwork", "hostPID", "hostIPC"):
+            assert not spec.get(host), f"the pod shares the node's {host}"
+        for container in containers_of(spec):
+            own = container.get("securityContext", {})
+            name = container["name"]
+            assert own.get("allowPrivilegeEscalation") is False, f"{name} may escalate privileges"
+            assert own.get("capabilities", {}).get("drop") == ["ALL"], f"{name} keeps capabilities"
+            assert not own.get("capabilities", {}).get("add"), f"{name} adds capabilities"
+            assert own.get("privileged") is not True, f"{name} is privileged"
+            assert own.get("runAsNonRoot", True) is True, f"{name} may run as root"
+            assert own.get("runAsUser", pod.get("runAsUser", 1)) != 0, f"{name} runs as root"
+
+
+def test_a_statefulsets_service_name_is_a_headless_service() -> None:
+    services = by_kind("Service")
+    for name, sts in by_kind("StatefulSet").items():
+        governing = services.get(sts["spec"]["serviceName"])
+        assert governing is not None, f"{name}: serviceName names no Service"
+        assert governing["spec"].get("clusterIP") == "None", f"{name}: its serviceName is not headless"
