@@ -10,6 +10,7 @@ from .errors import (
     AuthenticationError,
     BatchClientError,
     FencedError,
+    ServerFullError,
     ServerUnavailableError,
     StateDictError,
 )
@@ -21,6 +22,7 @@ __all__ = [
     "BatchClient",
     "BatchClientError",
     "FencedError",
+    "ServerFullError",
     "ServerUnavailableError",
     "StateDictError",
 ]

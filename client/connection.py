@@ -29,6 +29,7 @@ from .errors import (
     AuthenticationError,
     BatchClientError,
     FencedError,
+    ServerFullError,
     ServerUnavailableError,
     StateDictError,
 )
@@ -76,6 +77,16 @@ def is_busy(code: Any, message: str, details: pb.Error | None) -> bool:
     if details is not None:
         return details.reason == "too_many_calls"
     return message.startswith(_GRPC_BUSY)
+
+
+def is_late(code: Any, details: pb.Error | None) -> bool:
+    """The server saw no first request within its ``--handshake-timeout`` (reason ``no_open``/``no_request``).
+
+    The client sends its first request with the call, so the server (or the
+    network to it) was too busy to read it in time: it passes, so retry.
+    """
+    late = details is not None and details.reason in ("no_open", "no_request")
+    return code is grpc.StatusCode.DEADLINE_EXCEEDED and late
 
 
 class Retry:
@@ -263,6 +274,7 @@ class Connection:
         deadline = time.monotonic() + config.timeout
         retry = Retry(replicas)
         silent = 0  # replicas that sent nothing within the timeout
+        full = 0  # replicas that refused the stream for their sessions all taken
         while True:
             stream = self._ensure_stream(opening, deadline)
             try:
@@ -304,6 +316,11 @@ class Connection:
                 raise item
             if isinstance(error, FencedError):
                 self.fence = error
+            if isinstance(error, ServerFullError) and full < replicas - 1:
+                full += 1  # another replica may have room: each is tried once before giving up
+                self.next_replica()
+                log.warning("rank %d: %s; trying the next replica, %s", config.rank, error, self.address)
+                continue
             backoff = retry.wait(deadline)
             if not isinstance(error, ServerUnavailableError) or backoff is None:
                 raise error
@@ -359,12 +376,14 @@ class Connection:
                     own_cursor=config.own_cursor,
                 )
             except grpc.RpcError as exc:
-                if exc.code() is grpc.StatusCode.DEADLINE_EXCEEDED:
+                error = self.map_error(exc)
+                if exc.code() is grpc.StatusCode.DEADLINE_EXCEEDED and not isinstance(
+                    error, ServerUnavailableError
+                ):  # this call's own deadline (a late handshake passes, as below)
                     raise ServerUnavailableError(
                         f"{self.address} did not describe job {config.job!r} within {config.timeout:.0f}s",
                         "DEADLINE_EXCEEDED",
                     ) from None
-                error = self.map_error(exc)
             backoff = retry.wait(deadline)
             if not isinstance(error, ServerUnavailableError) or backoff is None:
                 raise error
@@ -387,10 +406,14 @@ class Connection:
             return ServerUnavailableError(
                 f"{self.address}: {message} (the server's limit on calls in progress)", name
             )
+        if is_late(code, details) and not self.closed:  # this client sent it at once: an overloaded server
+            return ServerUnavailableError(f"{self.address}: {message} (the server is overloaded)", name)
         if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
             return AuthenticationError(f"{self.address}: {message}", name)
         if is_fence(exc):
             return FencedError(message, name)
+        if details is not None and details.reason in ("too_many_sessions", "too_many_sessions_per_job"):
+            return ServerFullError(f"{self.address}: {message}", name)
         if details is not None and details.reason == "schedule_mismatch":  # a loaded state of another job
             return StateDictError(f"{self.address}: {message}", name)
         return BatchClientError(f"{self.address}: {message}", name)

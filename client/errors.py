@@ -6,6 +6,7 @@ __all__ = [
     "AuthenticationError",
     "BatchClientError",
     "FencedError",
+    "ServerFullError",
     "ServerUnavailableError",
     "StateDictError",
 ]
@@ -33,3 +34,12 @@ class ServerUnavailableError(BatchClientError, ConnectionError):
 
 class AuthenticationError(BatchClientError, PermissionError):
     """The server refused the client's token (none sent, or not one it accepts); retrying cannot help."""
+
+
+class ServerFullError(BatchClientError):
+    """Every replica refused the stream: its sessions are all taken (RESOURCE_EXHAUSTED).
+
+    The message names the server's flag to raise (``--max-sessions`` or
+    ``--max-sessions-per-job``); adding a replica helps too. Not retried: a
+    full server stays full until trainers leave.
+    """

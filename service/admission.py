@@ -147,7 +147,8 @@ class Admission:
                 "resource_exhausted",
                 "too_many_sessions_per_job",
                 f"job {job!r} already holds {in_job} sessions on this batch server, the limit per job "
-                f"(ladle serve --max-sessions-per-job) is {limits.per_job}",
+                f"(ladle serve --max-sessions-per-job) is {limits.per_job}: raise it (up to --max-sessions) "
+                "or add a replica",
                 "open.rank",
             )
         self._opening[key] = self._opening.get(key, 0) + 1

@@ -1,7 +1,7 @@
 """``ladle serve`` as a child process on free loopback ports, for ``ladle demo`` and the examples.
 
 ``ServeProcess`` starts the server with a fresh embedded store in a work
-folder, waits until it serves (its ready files name the gRPC and HTTP
+folder (or on a Redis, ``redis_url=``), waits until it serves (its ready files name the gRPC and HTTP
 addresses) and, as a context manager, always stops it: SIGTERM (a graceful
 shutdown), then SIGKILL after ``grace`` seconds. It binds 127.0.0.1 only.
 """
@@ -34,6 +34,7 @@ class ServeProcess:
         *,
         config: str | os.PathLike[str] | None = None,
         extra: Sequence[str] = (),
+        redis_url: str | None = None,
         log_level: str = "WARNING",
         timeout: float = 120.0,
         grace: float = 30.0,
@@ -43,13 +44,14 @@ class ServeProcess:
         self.log = self.workdir / "server.log"
         self.grace = grace
         ready, http_ready, state = (self.workdir / name for name in ("ready", "http", "state.db"))
-        self.state = state  # the embedded cursor store's file
+        self.state = state  # the embedded cursor store's file (unused with ``redis_url``)
+        store = ["--state", str(state)] if redis_url is None else ["--redis-url", redis_url]
         for stale in (ready, http_ready, state):
             stale.unlink(missing_ok=True)
         cmd = [
             sys.executable, "-m", "ladle.service.cli", "serve", os.fspath(dataset), "--host", "127.0.0.1",
             "--grpc-port", "0", "--http-port", "0", "--http-ready-file", str(http_ready),
-            "--state", str(state), "--ready-file", str(ready), "--log-level", log_level,
+            *store, "--ready-file", str(ready), "--log-level", log_level,
             *(["--config", os.fspath(config)] if config is not None else []), *extra,
         ]  # fmt: skip
         with self.log.open("wb") as log:
