@@ -47,6 +47,7 @@ import math
 import multiprocessing as mp
 import os
 import pickle
+import resource
 import shutil
 import signal
 import sys
@@ -131,12 +132,19 @@ def _rank(
                     time.sleep(max(0.0, due - time.monotonic()))
         finally:
             client.close()
-    except BaseException as exc:  # noqa: BLE001 - reported with the rank, checked by the parent
+    except BaseException as exc:
         record["error"] = f"{type(exc).__name__}: {exc}"
 
 
 def _worker(
-    ranks: list[int], world: int, servers: str, settings: ScaleSettings, ready: Any, go: Any, go_at: Any, path: str
+    ranks: list[int],
+    world: int,
+    servers: str,
+    settings: ScaleSettings,
+    ready: Any,
+    go: Any,
+    go_at: Any,
+    path: str,
 ) -> None:
     import ladle.client  # noqa: F401 - imported before the start, so the start times connecting only
 
@@ -145,14 +153,16 @@ def _worker(
     start = go_at.value
     out: dict[int, Any] = {}
     threads = [
-        threading.Thread(target=_rank, args=(r, world, servers, settings, start, out), daemon=True) for r in ranks
+        threading.Thread(target=_rank, args=(r, world, servers, settings, start, out), daemon=True)
+        for r in ranks
     ]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
+    usage = resource.getrusage(resource.RUSAGE_SELF)
     with open(path, "wb") as f:
-        pickle.dump(out, f)
+        pickle.dump({"ranks": out, "cpu_s": usage.ru_utime + usage.ru_stime}, f)
 
 
 # ---------------------------------------------------------------- checks
@@ -171,7 +181,8 @@ def check_records(records: dict[int, Any], lengths: Any, world: int, epochs: int
         for rank, rec in records.items():
             got = [b for b in rec["batches"] if b[0] == epoch]
             assert [b[1] for b in got] == list(range(sched.num_steps)), (
-                f"rank {rank} epoch {epoch}: steps {[b[1] for b in got][:20]}..., want 0..{sched.num_steps - 1}"
+                f"rank {rank} epoch {epoch}: steps {[b[1] for b in got][:20]}..., "
+                f"want 0..{sched.num_steps - 1}"
             )
             for _, step, ids, _, _ in got:
                 assert np.array_equal(ids, sched.samples(step, rank)), f"rank {rank} step {step}: other rows"
@@ -253,7 +264,9 @@ def dataset_for(ranks: int, settings: ScaleSettings, folder: Path) -> Path:
     return path
 
 
-def run_case(ranks: int, replicas: int, settings: ScaleSettings, workdir: Path, dataset: Path) -> dict[str, Any]:
+def run_case(
+    ranks: int, replicas: int, settings: ScaleSettings, workdir: Path, dataset: Path
+) -> dict[str, Any]:
     """One run: ``replicas`` servers on a fresh redis-server, ``ranks`` ranks for ``epochs`` epochs."""
     from tests.support.redis_server import RedisServer
 
@@ -275,7 +288,13 @@ def run_case(ranks: int, replicas: int, settings: ScaleSettings, workdir: Path, 
                         workdir / f"replica-{i}",
                         config=config,
                         redis_url=redis_server.url,
-                        extra=["--max-sessions", limit, "--max-sessions-per-job", limit, *settings.server_args],
+                        extra=[
+                            "--max-sessions",
+                            limit,
+                            "--max-sessions-per-job",
+                            limit,
+                            *settings.server_args,
+                        ],
                         grace=10,
                     )
                 )
@@ -285,7 +304,9 @@ def run_case(ranks: int, replicas: int, settings: ScaleSettings, workdir: Path, 
             parts = [list(range(w, ranks, settings.workers)) for w in range(min(settings.workers, ranks))]
             outs = [workdir / f"ranks-{w}.pkl" for w in range(len(parts))]
             for part, out in zip(parts, outs, strict=True):
-                p = ctx.Process(target=_worker, args=(part, ranks, addresses, settings, ready, go, go_at, str(out)))
+                p = ctx.Process(
+                    target=_worker, args=(part, ranks, addresses, settings, ready, go, go_at, str(out))
+                )
                 p.start()
                 procs.append(p)
             for _ in procs:
@@ -309,16 +330,22 @@ def run_case(ranks: int, replicas: int, settings: ScaleSettings, workdir: Path, 
                 after = _redis_figures(rc)
                 latency = _latency(rc)
                 scripts = _evalsha_calls(rc)  # counted from the CONFIG RESETSTAT above
-                cpu_after = [_cpu_s(pid) if s.proc.poll() is None else math.nan for pid, s in zip(pids, servers)]
+                cpu_after = [
+                    _cpu_s(pid) if s.proc.poll() is None else math.nan
+                    for pid, s in zip(pids, servers, strict=False)
+                ]
         finally:
             for p in procs:
                 if p.is_alive():
                     p.kill()
             exits = [s.stop() for s in servers]
     records: dict[int, Any] = {}
+    trainers_cpu = 0.0
     for out in outs:
         with out.open("rb") as f:
-            records.update(pickle.load(f))
+            part = pickle.load(f)
+        records.update(part["ranks"])
+        trainers_cpu += part["cpu_s"]
     checked = check_records(records, lengths, ranks, settings.epochs)
     batches = checked["batches"]
     firsts = [rec["first"] for rec in records.values()]
@@ -353,13 +380,14 @@ def run_case(ranks: int, replicas: int, settings: ScaleSettings, workdir: Path, 
         "replica_rss_mib": [round(p.get("rss", 0) / (1 << 20), 1) for p in replica_peaks],
         "replica_threads": [p.get("threads", 0) for p in replica_peaks],
         "replica_fds": [p.get("fds", 0) for p in replica_peaks],
-        "replica_cpu_us_per_batch": round(
-            float(np.nansum(served_cpu)) / batches * 1e6, 1
-        ),
+        "replica_cpu_us_per_batch": round(float(np.nansum(served_cpu)) / batches * 1e6, 1),
+        "trainers_cpu_us_per_batch": round(trainers_cpu / batches * 1e6, 1),  # the simulated ranks' processes
     }
 
 
-def _fault(settings: ScaleSettings, servers: list[ServeProcess], rc: Any, at: float) -> threading.Thread | None:
+def _fault(
+    settings: ScaleSettings, servers: list[ServeProcess], rc: Any, at: float
+) -> threading.Thread | None:
     if settings.fault == "none":
         return None
 
@@ -408,8 +436,8 @@ def growth(cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
             continue
         lo, hi = mine[0], mine[-1]
 
-        def ratio(key: str) -> float:
-            return round(max(hi[key]) / max(1e-9, max(lo[key])), 2)
+        def ratio(key: str, lo: dict[str, Any] = lo, hi: dict[str, Any] = hi) -> float:
+            return round(float(max(hi[key])) / max(1e-9, float(max(lo[key]))), 2)
 
         out.append(
             {
@@ -451,7 +479,9 @@ def summary(results: dict[str, Any]) -> list[str]:
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.bench_scale", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.bench_scale", description=__doc__.split("\n")[0]
+    )
     parser.add_argument("--full", action="store_true", help="64 and 1,000 ranks on 1, 2 and 4 replicas")
     parser.add_argument("--ranks", type=int, nargs="+", help="rank counts (default: the form's)")
     parser.add_argument("--replicas", type=int, nargs="+", help="replica counts (default: the form's)")

@@ -16,6 +16,7 @@ import logging
 import math
 import re
 import secrets
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -269,6 +270,61 @@ def check_forward(job: str, rank: int, stored: Position, to: Position) -> None:
         raise CursorRegressionError(job, rank, (stored.epoch, stored.step), (to.epoch, to.step))
 
 
+
+class SharedReads:
+    """Concurrent reads of one job's state share one store read that began after each of them was asked.
+
+    A thousand ranks opening at once each read the whole job (every rank's
+    cursor: milliseconds at that size). Asked while a read of the same job
+    runs, a caller waits for it to end and then joins the next read with
+    every other caller that arrived meanwhile: one read, begun after each of
+    them asked, so each sees every write that ended before it asked, as its
+    own read would have. Errors reach every caller of that read.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._waiting: dict[str, _Read] = {}  # the next read of a job, not begun: callers join it
+        self._running: dict[str, threading.Lock] = {}  # one read of a job at a time
+
+    def get(self, job: str, read: Callable[[], JobState]) -> JobState:
+        with self._lock:
+            mine = self._waiting.get(job)
+            lead = mine is None
+            if mine is None:
+                mine = self._waiting[job] = _Read()
+            running = self._running.setdefault(job, threading.Lock())
+        if not lead:
+            mine.done.wait()
+            return mine.result()
+        with running:
+            with self._lock:
+                del self._waiting[job]  # callers from now on wait for the next read
+            try:
+                mine.value = read()
+            except BaseException as exc:
+                mine.error = exc
+                raise
+            finally:
+                mine.done.set()
+                with self._lock:
+                    if job not in self._waiting:
+                        self._running.pop(job, None)
+        return mine.value
+
+
+class _Read:
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.value: JobState | None = None
+        self.error: BaseException | None = None
+
+    def result(self) -> JobState:
+        if self.error is not None:
+            raise self.error
+        assert self.value is not None
+        return self.value
+
 class CursorStore(abc.ABC):
     """Per-job, per-rank cursors with fencing; one contract for every backing store.
 
@@ -301,6 +357,7 @@ class CursorStore(abc.ABC):
 
     def __init__(self, *, clock: Clock = time.time) -> None:
         self._clock = clock
+        self._reads = SharedReads()
         self._left_out_jobs: set[tuple[str, str, str]] = set()
 
     def _now(self) -> float:
@@ -431,8 +488,12 @@ class CursorStore(abc.ABC):
         return self._reconcile(job, rank, generation, to)
 
     def get(self, job: str) -> JobState:
-        """The job's state, read atomically (``JobNotFoundError`` if absent)."""
-        return self._get(validate_job_name(job))
+        """The job's state, read atomically (``JobNotFoundError`` if absent).
+
+        Calls from several threads at once share one read (``SharedReads``).
+        """
+        name = validate_job_name(job)
+        return self._reads.get(name, lambda: self._get(name))
 
     def list_jobs(self) -> list[JobState]:
         """Every job's state, sorted by job name (one consistent snapshot)."""

@@ -100,9 +100,12 @@ def test_bench_scale_short_form_reports_every_figure() -> None:
     cases = results["cases"]
     assert [(c["ranks"], c["replicas"]) for c in cases] == [(8, 1), (8, 2), (32, 1), (32, 2)]
     for c in cases:
-        assert c["exactly_once"] and c["batches"] == c["ranks"] * sum(c["steps_per_epoch"])
-        assert len(c["replica_rss_mib"]) == c["replicas"] and min(c["replica_threads"]) > 0
-        assert c["redis_scripts_per_batch"] > 0 and c["evalsha_p99_ms"] >= c["evalsha_p50_ms"] > 0
+        assert c["exactly_once"]
+        assert c["batches"] == c["ranks"] * sum(c["steps_per_epoch"])
+        assert len(c["replica_rss_mib"]) == c["replicas"]
+        assert min(c["replica_threads"]) > 0
+        assert c["redis_scripts_per_batch"] > 0
+        assert c["evalsha_p99_ms"] >= c["evalsha_p50_ms"] > 0
         assert 0 < c["first_batch_median_s"] <= c["first_batch_all_s"]
     assert [g["replicas"] for g in results["growth"]] == [1, 2]
     assert all(g["ranks_ratio"] == 4 for g in results["growth"])
@@ -111,8 +114,11 @@ def test_bench_scale_short_form_reports_every_figure() -> None:
 def test_a_replica_killed_under_load_loses_nothing() -> None:
     """48 ranks on 3 replicas, replica 1 SIGKILLed part-way: its ranks move to the others and
     every rank still gets exactly the schedule's batches, every step of both epochs."""
-    (case,) = _bench("--ranks", "48", "--replicas", "3", "--step-ms", "100", "--fault", "kill-replica")["cases"]
-    assert case["exactly_once"] and case["fault"] == "kill-replica"
+    (case,) = _bench("--ranks", "48", "--replicas", "3", "--step-ms", "100", "--fault", "kill-replica")[
+        "cases"
+    ]
+    assert case["exactly_once"]
+    assert case["fault"] == "kill-replica"
     assert case["replica_exits"] == [0, -9, 0], "replica 1 was not the one killed, or another failed"
 
 
@@ -120,5 +126,6 @@ def test_a_redis_that_stops_answering_for_seconds_loses_nothing() -> None:
     """DEBUG SLEEP 3 part-way through 32 ranks on 2 replicas: the cursor writes wait, the ranks read
     on or wait and resume, and every rank still gets exactly the schedule's batches."""
     (case,) = _bench("--ranks", "32", "--replicas", "2", "--step-ms", "100", "--fault", "slow-redis")["cases"]
-    assert case["exactly_once"] and case["fault"] == "slow-redis"
+    assert case["exactly_once"]
+    assert case["fault"] == "slow-redis"
     assert case["replica_exits"] == [0, 0]
