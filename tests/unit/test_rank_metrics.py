@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import functools
 import re
+import shutil
+import subprocess
 import time
 from pathlib import Path
 
@@ -163,12 +165,16 @@ def test_only_jobs_streamed_here_are_read_and_an_unreadable_one_is_left_out(tmp_
     assert per_rank(samples, "ladle_rank_lag_steps", "here") == {0: 0, 1: 2}
 
 
-def alert_rules() -> list[dict[str, object]]:
-    """The Prometheus rules docs/deploy.md gives (its ```yaml block with `groups:`)."""
+def rule_file() -> str:
+    """The Prometheus rule file docs/deploy.md gives (its ```yaml block of `groups:`)."""
     text = (DOCS / "deploy.md").read_text()
     blocks = [b for b in re.findall(r"```yaml\n(.*?)```", text, re.S) if b.lstrip().startswith("groups:")]
     assert len(blocks) == 1, "docs/deploy.md has no Prometheus rule file (a ```yaml block of groups:)"
-    doc = yaml.safe_load(blocks[0])
+    return str(blocks[0])
+
+
+def alert_rules() -> list[dict[str, object]]:
+    doc = yaml.safe_load(rule_file())
     return [rule for group in doc["groups"] for rule in group["rules"]]
 
 
@@ -188,6 +194,13 @@ def test_the_alert_rules_in_the_docs_use_metrics_the_server_exposes(tmp_path: Pa
         used = set(re.findall(r"\bladle_[a-z_]+", expr))
         assert used, f"{rule['alert']} uses no ladle metric"
         assert used <= exposed, f"{rule['alert']} uses {sorted(used - exposed)}, which /metrics does not give"
+    promtool = shutil.which("promtool")  # Prometheus's own check, where it is installed
+    if promtool is not None:
+        path = tmp_path / "rules.yml"
+        path.write_text(rule_file())
+        check = [promtool, "check", "rules", str(path)]
+        checked = subprocess.run(check, capture_output=True, text=True, timeout=60)
+        assert checked.returncode == 0, f"promtool check rules: {checked.stdout}{checked.stderr}"
     listed = (DOCS / "inspect.md").read_text()
     missing = [name for name in METRIC_NAMES if f"`{name}`" not in listed]
     assert not missing, f"docs/inspect.md does not describe {missing}"
