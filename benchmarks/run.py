@@ -21,6 +21,7 @@ from benchmarks import (
     bench_dataset,
     bench_http,
     bench_ingest,
+    bench_ranks,
     bench_roundtrips,
     bench_sampler,
     bench_schedule,
@@ -45,6 +46,7 @@ def main(argv: list[str]) -> int:
         "store": bench_store.main(full),
         "roundtrips": bench_roundtrips.main(full),
         "http": bench_http.main(full),
+        "ranks": bench_ranks.main(full),
         "auth": bench_auth.main(full),
         "soak": bench_soak.main(full),
         "client_lifetime": bench_client_lifetime.main(full),
@@ -92,6 +94,8 @@ def main(argv: list[str]) -> int:
     for line in bench_roundtrips.summary(results["roundtrips"]):
         print(line, file=sys.stderr)
     for line in bench_http.summary(results["http"]):
+        print(line, file=sys.stderr)
+    for line in bench_ranks.summary(results["ranks"]):
         print(line, file=sys.stderr)
     for line in bench_auth.summary(results["auth"]):
         print(line, file=sys.stderr)

@@ -25,8 +25,11 @@ SPARE_SCHEDULES: Final = 4
 # Schedules no stream uses that Opens (and Describes) had built in the last minute, with the builds in
 # progress, a server allows; one client half of them (jobs.ScheduleCache). Beyond: RESOURCE_EXHAUSTED.
 MAX_SCHEDULES: Final = 16
+# Ranks of a job /metrics gives series of their own (metrics.ServerMetrics.watch_ranks); here for the
+# same reason.
+RANK_SERIES: Final = 32
 
-__all__ = ["MAX_SCHEDULES", "RPC_HEADROOM", "SPARE_SCHEDULES", "Limits", "connection_cap"]
+__all__ = ["MAX_SCHEDULES", "RANK_SERIES", "RPC_HEADROOM", "SPARE_SCHEDULES", "Limits", "connection_cap"]
 
 log = logging.getLogger("ladle.server")
 

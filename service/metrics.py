@@ -8,14 +8,18 @@ numbers that the stream adds to on the server's one event loop thread (a
 locked counters and histograms cost about seven (1.3% of a batch's server
 CPU). The gauges of live streams are read from the servicer when scraped.
 Store latency and errors, which are not per batch, use prometheus-client's
-own thread-safe metrics.
+own thread-safe metrics. Where each rank of a job stands is read from the
+cursor store when scraped, one read per job this server streams to: every
+rank counts in the job's summary series, and only the ``rank_series`` ranks
+that need attention first get series of their own, so a thousand-rank job
+adds a bounded number of series.
 """
 
 from __future__ import annotations
 
 import time
 from bisect import bisect_left
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Final
 
 from prometheus_client import (
@@ -30,13 +34,16 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from .errors import StoreUnavailableError
+from .errors import LadleError, StoreUnavailableError
+from .limits import RANK_SERIES
+from .standing import JobStanding, attention
 from .store.base import CursorStore, JobSpec, JobState, Position, RankState, Resize
 
 __all__ = [
     "CONTENT_TYPE",
     "METER_LINGER_S",
     "METRIC_NAMES",
+    "UNSEEN_OVER_S",
     "LoopHistogram",
     "ServerMetrics",
     "StreamMeter",
@@ -46,6 +53,8 @@ __all__ = [
 CONTENT_TYPE: Final = "text/plain; version=0.0.4; charset=utf-8"
 # How long a job's rank keeps its per-rank series after its last stream on this server ended.
 METER_LINGER_S: Final = 3600.0
+# ladle_job_ranks_unseen counts the ranks not seen for more than each of these (seconds).
+UNSEEN_OVER_S: Final = (60, 300, 3600)
 
 # Exposed names (counters get the _total suffix); docs/inspect.md describes each one.
 METRIC_NAMES: Final = (
@@ -63,6 +72,18 @@ METRIC_NAMES: Final = (
     "ladle_schedules_cached",
     "ladle_store_seconds",
     "ladle_errors_total",
+    "ladle_ready",
+    "ladle_rank_epoch",
+    "ladle_rank_step",
+    "ladle_rank_lag_steps",
+    "ladle_rank_seen_ago_seconds",
+    "ladle_job_ranks",
+    "ladle_job_leader_epoch",
+    "ladle_job_leader_step",
+    "ladle_job_lag_steps_max",
+    "ladle_job_seen_ago_seconds_max",
+    "ladle_job_seen_ago_seconds_min",
+    "ladle_job_ranks_unseen",
 )
 
 _FAST = (5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 0.1, 0.5)
@@ -70,6 +91,8 @@ _SLOW = (1e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0
 
 # (job, rank, batches sent whose credit has not come back yet), for every open stream.
 StreamDepths = Callable[[], Iterable[tuple[str, int, int]]]
+# Where the ranks of a job stand, read from the cursor store (LadleError if it cannot be read).
+ReadStanding = Callable[[str], JobStanding]
 
 
 class LoopHistogram:
@@ -167,6 +190,82 @@ class _Served(Collector):
         )
 
 
+_RANK_GAUGES: Final = (
+    ("ladle_rank_epoch", "The epoch a rank is in"),
+    ("ladle_rank_step", "Steps a rank has consumed in its epoch (its position)"),
+    ("ladle_rank_lag_steps", "Steps a rank is behind the job's leading rank"),
+    (
+        "ladle_rank_seen_ago_seconds",
+        "Seconds since a rank was last seen: its last acknowledged batch or stream open "
+        "(since the job was created for a rank no trainer joined)",
+    ),
+)
+
+
+class _Standings(Collector):
+    """Where the ranks of each job this server streams to stand, read from the store when scraped."""
+
+    def __init__(self, metrics: ServerMetrics) -> None:
+        self._metrics = metrics
+        self._shown: dict[str, frozenset[int]] = {}  # per job: the ranks with series at the last scrape
+
+    def _read(self) -> Iterator[tuple[str, JobStanding]]:
+        read = self._metrics.read_standing
+        if read is None:
+            return
+        for name in self._metrics.streamed_jobs():
+            try:
+                now = read(name)
+            except LadleError:  # the store does not answer (ladle_ready says so), or the job is gone
+                continue
+            if now.ranks:
+                yield name, now
+
+    def collect(self) -> Iterable[Metric]:
+        m = self._metrics
+        per_rank = [GaugeMetricFamily(name, doc, labels=["job", "rank"]) for name, doc in _RANK_GAUGES]
+        ranks = GaugeMetricFamily("ladle_job_ranks", "Ranks in a job (its world size)", labels=["job"])
+        leader_epoch = GaugeMetricFamily(
+            "ladle_job_leader_epoch", "The epoch of a job's leading rank", labels=["job"]
+        )
+        leader_step = GaugeMetricFamily(
+            "ladle_job_leader_step", "The step in its epoch of a job's leading rank", labels=["job"]
+        )
+        lag_max = GaugeMetricFamily(
+            "ladle_job_lag_steps_max", "Steps the rank furthest behind is behind the leader", labels=["job"]
+        )
+        seen_max = GaugeMetricFamily(
+            "ladle_job_seen_ago_seconds_max", "Seconds since the rank seen least recently", labels=["job"]
+        )
+        seen_min = GaugeMetricFamily(
+            "ladle_job_seen_ago_seconds_min", "Seconds since the rank seen most recently", labels=["job"]
+        )
+        unseen = GaugeMetricFamily(
+            "ladle_job_ranks_unseen", "Ranks not seen for more than `over` seconds", labels=["job", "over"]
+        )
+        shown: dict[str, frozenset[int]] = {}
+        for name, now in self._read():
+            picked = attention(now.ranks, m.rank_series, shown=self._shown.get(name, ()))
+            shown[name] = frozenset(r.rank for r in picked)
+            for r in sorted(picked, key=lambda r: r.rank):
+                labels = [name, str(r.rank)]
+                values = (r.position.epoch, r.position.step, r.lag_steps, r.seen_ago_s)
+                for family, value in zip(per_rank, values, strict=True):
+                    family.add_metric(labels, value)
+            seen = [r.seen_ago_s for r in now.ranks]
+            ranks.add_metric([name], len(now.ranks))
+            leader_epoch.add_metric([name], now.leader.epoch)
+            leader_step.add_metric([name], now.leader.step)
+            lag_max.add_metric([name], max(r.lag_steps for r in now.ranks))
+            seen_max.add_metric([name], max(seen))
+            seen_min.add_metric([name], min(seen))
+            for over in UNSEEN_OVER_S:
+                unseen.add_metric([name, str(over)], sum(1 for s in seen if s > over))
+        self._shown = shown
+        yield from per_rank
+        yield from (ranks, leader_epoch, leader_step, lag_max, seen_max, seen_min, unseen)
+
+
 def _build() -> dict[str, str]:
     import platform
 
@@ -192,6 +291,8 @@ class ServerMetrics:
         self.depths: StreamDepths = lambda: ()
         self.stream_limits = (0, 0)  # (per server, per job); 0: not reported yet
         self.schedules_cached: Callable[[], int] = lambda: 0
+        self.read_standing: ReadStanding | None = None  # until watch_ranks
+        self.rank_series = RANK_SERIES
         self.store_seconds = Histogram(
             "ladle_store_seconds",
             "Cursor store operation latency",
@@ -227,6 +328,7 @@ class ServerMetrics:
         )
         self.ready.set(1)
         self.registry.register(_Served(self))
+        self.registry.register(_Standings(self))
         ProcessCollector(registry=self.registry)  # process_*: RSS, CPU, open descriptors
         Info("ladle_build", "The ladle release this server runs", registry=self.registry).info(_build())
 
@@ -250,6 +352,12 @@ class ServerMetrics:
         meter.streams -= 1
         meter.idle_since = self._clock()
 
+    def streamed_jobs(self) -> list[str]:
+        """The jobs with a stream open on this server, or one that ended within ``meter_linger_s``."""
+        cutoff = self._clock() - self.meter_linger_s
+        live = {job for (job, _), m in list(self.meters.items()) if m.streams > 0 or m.idle_since >= cutoff}
+        return sorted(live)
+
     def _drop_idle(self) -> None:
         cutoff = self._clock() - self.meter_linger_s
         for key, meter in list(self.meters.items()):
@@ -271,6 +379,19 @@ class ServerMetrics:
         """Report the open streams ``depths()`` lists when scraped, and the limits on them."""
         self.depths = depths
         self.stream_limits = (limit, limit_per_job)
+
+    def watch_ranks(self, read: ReadStanding, rank_series: int = RANK_SERIES) -> None:
+        """Report where the ranks of each job in ``streamed_jobs`` stand, from ``read(job)`` when scraped.
+
+        Every rank counts in the job's summary series; at most ``rank_series``
+        ranks a job get series of their own (``attention``'s first: not seen
+        for longest, then furthest behind, the ones shown last time before
+        others alike), so a stalled rank always shows and healthy ones do not churn.
+        """
+        if rank_series < 0:
+            raise ValueError(f"rank_series must be >= 0, got {rank_series}")
+        self.read_standing = read
+        self.rank_series = rank_series
 
     def exposition(self) -> bytes:
         """Every metric in the Prometheus text format."""

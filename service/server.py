@@ -15,6 +15,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import errno
+import functools
 import logging
 import math
 import os
@@ -39,11 +40,12 @@ from .errors import ConfigError, StoreCredentialsError, StoreUnavailableError
 from .first_request import FirstRequestInterceptor
 from .grpc_server import ACK_FLUSH_SECONDS, BatchServicer
 from .jobs import JobRegistry
-from .limits import Limits
+from .limits import RANK_SERIES, Limits
 from .metrics import ServerMetrics, TimedStore
 from .readiness import STORE_ANSWER_S, Readiness
 from .schedule import ScheduleConfig
 from .security import CallGate, TlsFiles, TokenCheck, check_exposure
+from .standing import read_standing
 from .store import DEFAULT_JOB_TTL_S, CursorStore, open_store
 
 __all__ = ["DEFAULT_STATE", "BatchServer", "serve_forever"]
@@ -83,6 +85,7 @@ class BatchServer:
         tls: TlsFiles | None = None,
         insecure: bool = False,
         columns: Mapping[str, str] | Sequence[str] | None = None,
+        metrics_ranks: int = RANK_SERIES,
     ) -> None:
         if not 0 <= grpc_port <= 65535:
             raise ConfigError("grpc_port", f"must be in 0..65535, got {grpc_port}")
@@ -117,6 +120,9 @@ class BatchServer:
         self.port = 0
         self.requested_http_port = http_port
         self.http_port = 0
+        if metrics_ranks < 0:
+            raise ConfigError("metrics_ranks", f"must be >= 0 (0: per-job series only), got {metrics_ranks}")
+        self.metrics_ranks = metrics_ranks
         self.metrics = ServerMetrics()
         self._http: Any = None
         self._server: Any = None
@@ -178,6 +184,7 @@ class BatchServer:
         self._store = TimedStore(store, self.metrics)
         self._readiness = Readiness(dataset, self._store)
         registry = JobRegistry(dataset, self.config, self._store, spare=self.limits.spare_schedules)
+        self.metrics.watch_ranks(functools.partial(read_standing, registry), self.metrics_ranks)
         # Build epoch 0 now: a bad config fails at start-up, not on the first trainer.
         from .schedule import build_schedule, cut_samples
 

@@ -7,7 +7,7 @@ import math
 from typing import Final
 
 from ..errors import ConfigError
-from ..limits import Limits
+from ..limits import RANK_SERIES, Limits
 from ._options import (
     DEFAULT_STATE,
     REDIS_URL_ENV,
@@ -41,6 +41,15 @@ def add_parser(sub: Subparsers) -> argparse.ArgumentParser:
         help="the HTTP API, metrics and page; 0 picks a free port (default: 8080)",
     )
     serve.add_argument("--no-http", action="store_true", help="serve gRPC only (no HTTP port at all)")
+    serve.add_argument(
+        "--metrics-ranks",
+        type=int,
+        default=RANK_SERIES,
+        metavar="N",
+        help="/metrics gives at most N ranks of a job series of their own (those not seen for longest, "
+        "then furthest behind); every rank counts in the job's own series "
+        f"(0: only those; default: {RANK_SERIES})",
+    )
     store = serve.add_mutually_exclusive_group()
     store.add_argument(
         "--state",
@@ -252,5 +261,6 @@ def run(args: argparse.Namespace) -> int:
         tls=TlsFiles.from_options(args.tls_cert, args.tls_key, args.tls_client_ca),
         insecure=args.insecure,
         columns=parse_columns(args.column),
+        metrics_ranks=args.metrics_ranks,
     )
     return serve_forever(server, ready_file=args.ready_file, http_ready_file=args.http_ready_file)

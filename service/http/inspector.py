@@ -12,7 +12,6 @@ takes about a second): call them off an event loop.
 from __future__ import annotations
 
 import threading
-import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -26,6 +25,7 @@ from ..jobs import Job, JobRegistry
 from ..readiness import Readiness
 from ..schedule import Schedule
 from ..schedule.stats import BucketRow, LossFigures, Quality, bucket_table, quality, simulate_loss
+from ..standing import JobStanding, standing
 from ..store.base import JobState, Position
 
 __all__ = [
@@ -53,8 +53,6 @@ MAX_PAGE_BATCHES: Final = 4096
 MAX_PAGE_BATCHES_WITH_SAMPLES: Final = 1024
 # The world size the page shows a dataset's schedule for when no job exists yet.
 PREVIEW_WORLD_SIZE: Final = 8
-# Epochs apart beyond which a rank's lag is estimated from its own epoch's length.
-_EXACT_LAG_EPOCHS = 3
 
 
 class JobNotServedError(JobMismatchError):
@@ -272,8 +270,9 @@ class Inspector:
         limit: int = DEFAULT_PAGE_STEPS,
         rank: int | None = None,
         samples: bool = False,
+        ranks: range | None = None,
     ) -> dict[str, Any]:
-        """Steps ``start..`` of an epoch: every batch's figures, for one rank or all, step-major.
+        """Steps ``start..`` of an epoch: every batch's figures, step-major, for a ``rank``, ``ranks`` or all.
 
         A page holds at most ``limit`` steps and at most ``MAX_PAGE_BATCHES``
         batches (``MAX_PAGE_BATCHES_WITH_SAMPLES`` with row indices);
@@ -284,13 +283,16 @@ class Inspector:
             raise ConfigError(
                 "rank", f"{rank} is outside 0..{job.world_size - 1} (world_size={job.world_size})"
             )
+        if rank is not None:
+            ranks = range(rank, rank + 1)
+        elif ranks is None:
+            ranks = range(job.world_size)
         if not 1 <= limit <= MAX_PAGE_STEPS:
             raise ConfigError("limit", f"must be in 1..{MAX_PAGE_STEPS}, got {limit}")
         if start < 0:
             raise ConfigError("start", f"must be >= 0, got {start}")
         table = self.table(job, epoch)
         num_steps = int(table.buckets.shape[0])
-        ranks = [rank] if rank is not None else list(range(job.world_size))
         steps = page_steps(len(ranks), limit, samples=samples)
         first = min(start, num_steps)
         stop = min(num_steps, first + steps)
@@ -331,54 +333,41 @@ class Inspector:
     # --- where the ranks stand ---
 
     def cursor(self, job: Job, state: JobState) -> dict[str, Any]:
-        """Each rank's position (normalised), progress through its epoch, and lag behind the leader.
+        """Each rank's position (normalised), progress through its epoch, and lag behind the leader."""
+        return self.report(standing(job, state))
+
+    @staticmethod
+    def report(now: JobStanding) -> dict[str, Any]:
+        """``now`` as ``/cursor`` answers it.
 
         ``last_seen`` and ``seen_ago_s`` are None for a rank no trainer has
         joined yet (generation 0): a trainer that died at start-up shows as never seen.
         """
-        now = time.time()
-        positions = [job.normalise(r.position) for r in state.ranks]
-        lead = max(positions) if positions else Position(0, 0)
-        ranks = []
-        for r, pos in zip(state.ranks, positions, strict=True):
-            steps = job.steps(pos.epoch)
-            joined = r.generation > 0
-            ranks.append(
-                {
-                    "rank": r.rank,
-                    "epoch": pos.epoch,
-                    "step": pos.step,
-                    "steps_in_epoch": steps,
-                    "progress": round(pos.step / steps, 4) if steps else 1.0,
-                    "lag_steps": self._steps_between(job, pos, lead),
-                    "generation": r.generation,
-                    # the store's last_seen of a rank no trainer ever joined is the job's creation time
-                    "last_seen": r.last_seen if joined else None,
-                    "seen_ago_s": round(max(0.0, now - r.last_seen), 3) if joined else None,
-                }
-            )
+        job = now.job
+        ranks = [
+            {
+                "rank": r.rank,
+                "epoch": r.position.epoch,
+                "step": r.position.step,
+                "steps_in_epoch": r.steps_in_epoch,
+                "progress": round(r.position.step / r.steps_in_epoch, 4) if r.steps_in_epoch else 1.0,
+                "lag_steps": r.lag_steps,
+                "generation": r.generation,
+                # the store's last_seen of a rank no trainer ever joined is the job's creation time
+                "last_seen": r.last_seen if r.joined else None,
+                "seen_ago_s": r.seen_ago_s if r.joined else None,
+            }
+            for r in now.ranks
+        ]
         return {
             "job": job.name,
             "world_size": job.world_size,
             "schedule_fingerprint": job.fingerprint,
-            "leader": {"epoch": lead.epoch, "step": lead.step},
+            "leader": {"epoch": now.leader.epoch, "step": now.leader.step},
             "ranks": ranks,
-            "updated": state.updated,
-            "now": now,
+            "updated": now.updated,
+            "now": now.now,
         }
-
-    @staticmethod
-    def _steps_between(job: Job, a: Position, b: Position) -> int:
-        """Steps from ``a`` to ``b`` (``a <= b``); exact across up to a few epochs, estimated beyond."""
-        if a.epoch == b.epoch:
-            return b.step - a.step
-        first = job.steps(a.epoch)
-        between = b.epoch - a.epoch - 1
-        if between <= _EXACT_LAG_EPOCHS:
-            middle = sum(job.steps(e) for e in range(a.epoch + 1, b.epoch))
-        else:
-            middle = between * first
-        return first - a.step + middle + b.step
 
     # --- readiness ---
 

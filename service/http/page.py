@@ -3,13 +3,18 @@
 Rendered on the server from the same ``Inspector`` calls as the JSON API, so
 the page and the API cannot disagree; a little plain JavaScript polls
 ``/v1/jobs/{job}/cursor`` every two seconds to move the ranks' progress, lag
-and markers while the job runs. No build step, no external asset: the page
-works on a machine with no internet access.
+and markers while the job runs, and reloads the page when the leading rank
+leaves the window of steps it follows. No build step, no external asset: the
+page works on a machine with no internet access. What it draws is bounded
+however many ranks a job has: the ribbon draws (and outlines) at most
+``RIBBON_RANKS`` ranks and the rank table lists ``TABLE_RANKS``, the ones to
+look at first.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from html import escape
 from typing import Any, Final
 
@@ -17,12 +22,15 @@ from ..errors import LadleError
 from ..jobs import Job
 from ..report import BUCKET_HEADER, bucket_cells, ratio_cell
 from ..schedule.stats import LossFigures, Quality, batch_mates_note
-from ..store.base import JobState
+from ..standing import JobStanding, RankStanding, attention, standing
+from ..store.base import JobState, Position
 from .inspector import DEFAULT_PAGE_STEPS, PREVIEW_WORLD_SIZE, Inspector, page_steps
 
-__all__ = ["PREVIEW_WORLD_SIZE", "bucket_colour", "render", "render_error"]
+__all__ = ["PREVIEW_WORLD_SIZE", "RIBBON_RANKS", "TABLE_RANKS", "bucket_colour", "render", "render_error"]
 
 PAGE_JOBS: Final = 50  # job links in the page's header
+RIBBON_RANKS: Final = 8  # rank rows the ribbon draws in mixed mode (ranks 0..7)
+TABLE_RANKS: Final = 64  # rows of the rank table; a bigger job lists the ranks to look at first
 
 # viridis, short buckets dark to long buckets light: the order of lengths reads at a glance
 _VIRIDIS: Final = ((68, 1, 84), (65, 68, 135), (42, 120, 142), (34, 168, 132), (122, 209, 81), (253, 231, 37))
@@ -47,13 +55,14 @@ def _cell_width(steps: int) -> int:
     return max(2, min(12, 1000 // max(steps, 1)))
 
 
-def _ribbon(svg_id: str, page: dict[str, Any], mixed: bool, markers: bool) -> str:
-    """One ribbon: a cell per step (per rank in mixed mode), coloured by bucket."""
+def _ribbon(
+    svg_id: str, page: dict[str, Any], rows: int, mixed: bool, markers: Sequence[Position] = ()
+) -> str:
+    """One ribbon: a cell per step (per rank of the ``rows`` first in mixed mode), coloured by bucket,
+    and a marker at ``markers[r]`` for each of the first ranks (on its row in mixed mode)."""
     batches = page["batches"]
-    world = page["world_size"]
     steps = sorted({b["step"] for b in batches})
     cw = _cell_width(len(steps))
-    rows = world if mixed else 1
     width = _LABEL_W + cw * max(len(steps), 1)
     height = rows * (_ROW_H + _ROW_GAP)
     out = [
@@ -78,14 +87,14 @@ def _ribbon(svg_id: str, page: dict[str, Any], mixed: bool, markers: bool) -> st
             f"<title>step {b['step']}, {who}: bucket {b['bucket']}, {b['rows']} rows x "
             f"{b['padded_len']}</title></rect>"
         )
-    if markers:
-        for rank in range(world):
-            row = rank if mixed else 0
-            y = row * (_ROW_H + _ROW_GAP)
-            out.append(
-                f'<rect class="marker" data-rank="{rank}" x="0" y="{y - 1}" width="{max(cw, 3)}" '
-                f'height="{_ROW_H + 2}" visibility="hidden"/>'
-            )
+    for rank, at in enumerate(markers):  # the page's script moves them (place)
+        y = (rank if mixed else 0) * (_ROW_H + _ROW_GAP)
+        i = at.step - first
+        here = at.epoch == page["epoch"] and 0 <= i < len(steps)
+        out.append(
+            f'<rect class="marker" data-rank="{rank}" x="{_LABEL_W + i * cw if here else 0}" y="{y - 1}" '
+            f'width="{max(cw, 3)}" height="{_ROW_H + 2}" visibility="{"visible" if here else "hidden"}"/>'
+        )
     out.append("</svg>")
     return "".join(out)
 
@@ -132,21 +141,40 @@ def _quality_rows(q: Quality, r: Quality, lq: LossFigures, lr: LossFigures) -> l
     ]
 
 
-def _rank_rows(cursor: dict[str, Any] | None) -> str:
-    if cursor is None:
+def _rank_rows(now: JobStanding | None) -> str:
+    """The rank table's rows: every rank in order, or the ``TABLE_RANKS`` to look at first."""
+    if now is None:
         return '<tr><td colspan="6">no trainers yet: this is a preview</td></tr>'
-    rows = []
-    for r in cursor["ranks"]:
-        pct = 100 * r["progress"]
-        rows.append(
-            f'<tr id="rank-{r["rank"]}"><td>{r["rank"]}</td>'
-            f'<td class="pos">{r["epoch"]}:{r["step"]}</td>'
-            f'<td><span class="bar"><span style="width:{pct:.1f}%"></span></span> '
-            f'<span class="pct">{pct:.1f}%</span> of <span class="steps">{r["steps_in_epoch"]}</span></td>'
-            f'<td class="lag">{r["lag_steps"]}</td><td class="seen">{_ago(r["seen_ago_s"])}</td>'
-            f'<td class="gen">{r["generation"]}</td></tr>'
-        )
-    return "".join(rows)
+    listed = now.ranks if len(now.ranks) <= TABLE_RANKS else attention(now.ranks, TABLE_RANKS)
+    return "".join(_rank_row(r) for r in listed)
+
+
+def _rank_row(r: RankStanding) -> str:
+    """One rank's row (the page's script writes the same in ``row``)."""
+    pct = 100 * round(r.position.step / r.steps_in_epoch, 4) if r.steps_in_epoch else 100.0  # as /cursor
+    return (
+        f'<tr id="rank-{r.rank}"><td>{r.rank}</td>'
+        f'<td class="pos">{r.position.epoch}:{r.position.step}</td>'
+        f'<td><span class="bar"><span style="width:{pct:.1f}%"></span></span> '
+        f'<span class="pct">{pct:.1f}%</span> of <span class="steps">{r.steps_in_epoch}</span></td>'
+        f'<td class="lag">{r.lag_steps}</td><td class="seen">{_ago(r.seen_ago_s if r.joined else None)}</td>'
+        f'<td class="gen">{r.generation}</td></tr>'
+    )
+
+
+def _rank_note(now: JobStanding | None) -> str:
+    """Under a table that lists some of the ranks: how many it leaves out, and how far behind they are."""
+    if now is None or len(now.ranks) <= TABLE_RANKS:
+        return ""
+    listed = {r.rank for r in attention(now.ranks, TABLE_RANKS)}
+    rest = [r for r in now.ranks if r.rank not in listed]
+    lag = max(r.lag_steps for r in rest)
+    seen = max((r.seen_ago_s for r in rest if r.joined), default=0.0)
+    return (
+        f"the {TABLE_RANKS} of {len(now.ranks)} ranks to look at first (never seen, then not seen for "
+        f"longest, then furthest behind); the other {len(rest)} are at most {lag} steps behind, "
+        f"seen within {_ago(seen).removesuffix(' ago')}"
+    )
 
 
 def _ago(seconds: float | None) -> str:
@@ -184,24 +212,28 @@ def render(
 ) -> str:
     """The whole page (raises ``LadleError`` for an unknown job or one this server cannot show).
 
-    Without ``epoch`` it shows the slowest rank's epoch, and without ``start``
-    the page of steps that holds the slowest rank (step 0 in another epoch),
-    so its red outline is in view.
+    Without ``epoch`` it shows the leading rank's epoch, and without ``start``
+    the window of steps that holds the leading rank (step 0 in another epoch).
+    Without either it follows the leader: its script reloads the page when
+    the leader leaves the window.
     """
     shown, state, states = _pick(inspector, job, world_size)
     preview = state is None
-    slowest = inspector.slowest(shown, state)
-    e = slowest.epoch if epoch is None else epoch
-    size = page_steps(shown.world_size, DEFAULT_PAGE_STEPS)
-    if start is None:
-        start = slowest.step - slowest.step % size if e == slowest.epoch else 0
-    baseline = inspector.variant(shown, "random")
+    now = None if state is None else standing(shown, state)
+    lead = now.leader if now is not None else Position(0, 0)
+    follow = now is not None and epoch is None and start is None
+    e = lead.epoch if epoch is None else epoch
     mixed = shown.config.rank_mode == "mixed"
-    ours = inspector.page(shown, e, start=start, limit=size)
-    theirs = inspector.page(baseline, e, start=start, limit=size)
+    # the ranks whose batches the ribbon draws: the first ones in mixed mode, rank 0 for all in sync mode
+    drawn = range(min(shown.world_size, RIBBON_RANKS)) if mixed else range(1)
+    size = page_steps(len(drawn), DEFAULT_PAGE_STEPS)
+    if start is None:
+        start = lead.step - lead.step % size if e == lead.epoch else 0
+    baseline = inspector.variant(shown, "random")
+    ours = inspector.page(shown, e, start=start, limit=size, ranks=drawn)
+    theirs = inspector.page(baseline, e, start=start, limit=size, ranks=drawn)
     buckets = inspector.buckets(shown, e)
     sched = inspector.schedule(shown, e)
-    cursor = None if state is None else inspector.cursor(shown, state)
     q, qr = inspector.quality(shown, e), inspector.quality(baseline, e, again=False)
     lq, lr = inspector.loss(shown, e), inspector.loss(baseline, e)
     ds = inspector.dataset
@@ -248,6 +280,8 @@ def render(
     if e > 0:
         pager.append(f'<a href="{link(epoch=e - 1)}">epoch {e - 1}</a>')
     pager.append(f'<a href="{link(epoch=e + 1)}">epoch {e + 1}</a>')
+    if not preview and not follow:
+        pager.append(f'<a id="follow" href="{link()}">follow the leader</a>')
 
     banner = ""
     if preview:
@@ -274,8 +308,7 @@ def render(
         ("steps per epoch", f"{num_steps}"),
         ("padding efficiency", f"{q.padding_efficiency:.4f} (random {qr.padding_efficiency:.4f})"),
         ("longest run per bucket", f"{_ints(q.max_run)} (random {_ints(qr.max_run)})"),
-        ("leader", '<span id="leader">-</span>' if cursor is None else f'<span id="leader">'
-         f'{cursor["leader"]["epoch"]}:{cursor["leader"]["step"]}</span>'),
+        ("leader", f'<span id="leader">{"-" if now is None else f"{lead.epoch}:{lead.step}"}</span>'),
     ]  # fmt: skip
     state_doc = {
         "job": None if preview else shown.name,
@@ -287,9 +320,18 @@ def render(
         "label": _LABEL_W,
         "world_size": shown.world_size,
         "poll_ms": _POLL_MS,
-        "cursor": cursor,
+        "follow": follow,
+        "table_ranks": TABLE_RANKS,
     }
-    rows_word = "one row per rank" if mixed else "every rank trains on the same bucket each step"
+    marked = now.ranks[:RIBBON_RANKS] if now is not None else ()  # the ranks with an outline
+    if not mixed:
+        rows_word = "every rank trains on the same bucket each step"
+    elif len(drawn) < shown.world_size:
+        rows_word = f"one row per rank, ranks 0&ndash;{len(drawn) - 1} of {shown.world_size}"
+    else:
+        rows_word = "one row per rank"
+    outlined = min(shown.world_size, RIBBON_RANKS)
+    marked_word = "each rank" if outlined == shown.world_size else f"each of ranks 0&ndash;{outlined - 1}"
     return _PAGE.format(
         title=escape(title),
         css_buckets=css_buckets,
@@ -304,9 +346,11 @@ def render(
         legend=legend,
         interleave=escape(shown.config.interleave),
         rows_word=rows_word,
-        ribbon=_ribbon("ribbon-ladle", ours, mixed, markers=True),
-        ribbon_random=_ribbon("ribbon-random", theirs, mixed, markers=False),
-        rank_rows=_rank_rows(cursor),
+        marked_word=marked_word,
+        ribbon=_ribbon("ribbon-ladle", ours, len(drawn), mixed, [r.position for r in marked]),
+        ribbon_random=_ribbon("ribbon-random", theirs, len(drawn), mixed),
+        rank_rows=_rank_rows(now),
+        rank_note=escape(_rank_note(now)),
         bucket_table=_table("bucket-table", BUCKET_HEADER, [bucket_cells(r) for r in buckets]),
         quality_table=_table(
             "quality-table", ["figure", "ladle", "random shuffle"], _quality_rows(q, qr, lq, lr)
@@ -339,12 +383,49 @@ _SCRIPT: Final = """
   "use strict";
   var state = JSON.parse(document.getElementById("ladle-state").textContent);
   var status = document.getElementById("status");
+  var table = document.querySelector("#rank-table tbody");
+  var note = document.getElementById("rank-note");
+  var markers = {};
+  document.querySelectorAll("#ribbon-ladle .marker").forEach(function (m) {
+    markers[m.getAttribute("data-rank")] = m;
+  });
 
   function ago(s) {
     if (s === null) return "never";
     if (s < 60) return s.toFixed(0) + " s ago";
     if (s < 3600) return (s / 60).toFixed(0) + " min ago";
     return (s / 3600).toFixed(1) + " h ago";
+  }
+
+  // standing.attention's order: never seen, then not seen for longest, then furthest behind, by decades
+  function decade(x) { return x < 10 ? 0 : String(Math.floor(x)).length - 1; }
+  function key(r) { return [r.seen_ago_s === null ? 99 : decade(r.seen_ago_s), decade(r.lag_steps)]; }
+  function first(a, b) {
+    var ka = key(a), kb = key(b);
+    return kb[0] - ka[0] || kb[1] - ka[1] || a.rank - b.rank;
+  }
+
+  function row(r) {
+    var pct = (100 * r.progress).toFixed(1);
+    return '<tr id="rank-' + r.rank + '"><td>' + r.rank + '</td><td class="pos">' + r.epoch + ":" + r.step +
+      '</td><td><span class="bar"><span style="width:' + pct + '%"></span></span> <span class="pct">' + pct +
+      '%</span> of <span class="steps">' + r.steps_in_epoch + '</span></td><td class="lag">' + r.lag_steps +
+      '</td><td class="seen">' + ago(r.seen_ago_s) + '</td><td class="gen">' + r.generation + "</td></tr>";
+  }
+
+  function update(tr, r) {
+    var pct = (100 * r.progress).toFixed(1);
+    tr.querySelector(".pos").textContent = r.epoch + ":" + r.step;
+    tr.querySelector(".bar > span").style.width = pct + "%";
+    tr.querySelector(".pct").textContent = pct + "%";
+    tr.querySelector(".steps").textContent = String(r.steps_in_epoch);
+    tr.querySelector(".lag").textContent = String(r.lag_steps);
+    tr.querySelector(".seen").textContent = ago(r.seen_ago_s);
+    tr.querySelector(".gen").textContent = String(r.generation);
+  }
+
+  function holds(p) {
+    return p.epoch === state.epoch && p.step >= state.start && p.step < state.start + state.steps;
   }
 
   function place(marker, r) {
@@ -356,19 +437,35 @@ _SCRIPT: Final = """
 
   function show(c) {
     if (c.ranks.length !== state.world_size) { window.location.reload(); return; }
+    if (state.follow && state.steps > 0 && !holds(c.leader)) {
+      // the leader left the window: the page of the window that holds it (no start=, so it follows on)
+      var here = window.location.origin + window.location.pathname;
+      window.location.replace(new URL("?job=" + encodeURIComponent(state.job), here).href);
+      return;
+    }
     document.getElementById("leader").textContent = c.leader.epoch + ":" + c.leader.step;
+    var listed = c.ranks;
+    if (listed.length > state.table_ranks) {
+      listed = c.ranks.slice().sort(first).slice(0, state.table_ranks);
+      var rest = c.ranks.length - listed.length, shown = {}, lag = 0, seen = 0;
+      listed.forEach(function (r) { shown[r.rank] = true; });
+      c.ranks.forEach(function (r) {
+        if (shown[r.rank]) return;
+        lag = Math.max(lag, r.lag_steps);
+        seen = Math.max(seen, r.seen_ago_s);
+      });
+      note.textContent = "the " + state.table_ranks + " of " + c.ranks.length + " ranks to look at first " +
+        "(never seen, then not seen for longest, then furthest behind); the other " + rest + " are at most " +
+        lag + " steps behind, seen within " + ago(seen).replace(" ago", "");
+    }
+    var rows = table.rows;
+    var same = rows.length === listed.length && listed.every(function (r, i) {
+      return rows[i].id === "rank-" + r.rank;
+    });
+    if (same) listed.forEach(function (r, i) { update(rows[i], r); });  // in place: a selection stays
+    else table.innerHTML = listed.map(row).join("");
     c.ranks.forEach(function (r) {
-      var row = document.getElementById("rank-" + r.rank);
-      if (!row) return;
-      var pct = 100 * r.progress;
-      row.querySelector(".pos").textContent = r.epoch + ":" + r.step;
-      row.querySelector(".bar > span").style.width = pct.toFixed(1) + "%";
-      row.querySelector(".pct").textContent = pct.toFixed(1) + "%";
-      row.querySelector(".steps").textContent = String(r.steps_in_epoch);
-      row.querySelector(".lag").textContent = String(r.lag_steps);
-      row.querySelector(".seen").textContent = ago(r.seen_ago_s);
-      row.querySelector(".gen").textContent = String(r.generation);
-      var marker = document.querySelector('#ribbon-ladle .marker[data-rank="' + r.rank + '"]');
+      var marker = markers[r.rank];
       if (marker) place(marker, r);
     });
     status.textContent = "updated " + new Date(c.now * 1000).toLocaleTimeString();
@@ -388,7 +485,9 @@ _SCRIPT: Final = """
         if (doc.jobs.some(function (j) { return j.served; })) { window.location.reload(); return; }
         status.textContent = "waiting for a job";
       } else {
+        var began = performance.now();
         show(doc);
+        window.ladleUpdateMs = performance.now() - began;
       }
     }).catch(function (err) {
       status.textContent = "not updating: " + err.message;
@@ -397,8 +496,7 @@ _SCRIPT: Final = """
     });
   }
 
-  if (state.cursor) show(state.cursor);
-  window.setTimeout(poll, state.poll_ms);
+  window.setTimeout(poll, state.job === null ? state.poll_ms : 0);
 })();
 """
 
@@ -445,7 +543,7 @@ footer {{ margin-top: 2em; color: #888; }}
 <nav class="pager">{pager}</nav>
 <div class="legend">buckets (token lengths): {legend}</div>
 <figure><figcaption>ladle ({interleave} interleaving, {rows_word}): each cell is a batch, coloured by
-its bucket; a red outline marks where each rank is</figcaption><div class="scroll">{ribbon}</div></figure>
+its bucket; a red outline marks where {marked_word} is</figcaption><div class="scroll">{ribbon}</div></figure>
 <figure><figcaption>a random shuffle of the same config, for comparison</figcaption>
 <div class="scroll">{ribbon_random}</div></figure>
 </section>
@@ -453,6 +551,7 @@ its bucket; a red outline marks where each rank is</figcaption><div class="scrol
 <h2>Ranks</h2>
 <table id="rank-table"><thead><tr><th>rank</th><th>epoch:step</th><th>progress</th><th>lag (steps)</th>
 <th>last seen</th><th>generation</th></tr></thead><tbody>{rank_rows}</tbody></table>
+<p class="muted" id="rank-note">{rank_note}</p>
 <p class="muted" id="status"></p>
 </section>
 <section id="buckets"><h2>Buckets</h2>{bucket_table}</section>

@@ -139,6 +139,16 @@ def test_every_job_endpoint_against_the_schedule(module_server: ServerProcess, s
         assert after[count] - before.get(count, 0) >= sum(taken)
         assert after[("ladle_stream_send_seconds_count", ())] >= sum(taken)
         assert after[("ladle_store_seconds_count", (("op", "join"),))] >= 2
+        # where each rank stands, read from the store when scraped: the same figures as /cursor
+        for r in cursor["ranks"]:
+            labels = (("job", job), ("rank", str(r["rank"])))
+            assert after[("ladle_rank_step", labels)] == r["step"], f"rank {r['rank']}: step"
+            assert after[("ladle_rank_epoch", labels)] == r["epoch"]
+            assert after[("ladle_rank_lag_steps", labels)] == r["lag_steps"], f"rank {r['rank']}: lag"
+            assert 0 <= after[("ladle_rank_seen_ago_seconds", labels)] < 60
+        assert after[("ladle_job_ranks", (("job", job),))] == 2
+        assert after[("ladle_job_leader_step", (("job", job),))] == 10
+        assert after[("ladle_job_lag_steps_max", (("job", job),))] == 6
 
         # the job, its config and progress
         listing = ok(server, "/v1/jobs")
@@ -354,6 +364,37 @@ def test_readyz_is_503_when_the_store_is_down(server_factory: Factory, redis_ser
     assert status == 503
     assert body["kind"] == "unavailable"
     assert ok(server, "/healthz") == {"status": "ok"}, "a process whose store is down is still alive"
+
+
+def test_replicas_on_one_redis_report_the_same_ranks_and_none_while_it_is_down(
+    server_factory: Factory, redis_server_factory: Any
+) -> None:
+    """Each replica reads every rank of a job it streams to from Redis: `max by (job, rank)` combines them."""
+    redis = redis_server_factory()
+    replicas = [server_factory(["--redis-url", redis.url]) for _ in range(2)]
+    job = "replicated"
+    clients = [BatchClient(r, 2, replicas[r].address, job, timeout=30) for r in range(2)]
+    try:
+        for client, n in zip(clients, (7, 3), strict=True):
+            it = iter(client)
+            for _ in range(n):
+                next(it)
+            client.state_dict()
+        wait_for_cursor(replicas[0], job, [7, 3])
+        for replica in replicas:
+            seen = metrics(replica)
+            steps = {rank: seen[("ladle_rank_step", (("job", job), ("rank", str(rank))))] for rank in (0, 1)}
+            assert steps == {0: 7, 1: 3}, f"a replica reports only the ranks it streams to: {steps}"
+            assert seen[("ladle_rank_lag_steps", (("job", job), ("rank", "1")))] == 4
+        redis.kill()
+        for replica in replicas:
+            with urllib.request.urlopen(replica.http_url + "/metrics", timeout=30) as response:
+                body = response.read().decode()  # a 200 still: the store's series are left out
+            assert "ladle_rank_step{" not in body, "rank series while the store does not answer"
+            assert "ladle_ready " in body
+    finally:
+        for client in clients:
+            client.close()
 
 
 def test_http_port_taken(small_dataset: Path, tmp_path: Path) -> None:

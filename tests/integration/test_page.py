@@ -1,9 +1,10 @@
 """The page at ``/`` in real headless Chromium (Debian's ``chromium`` and ``chromedriver``, via selenium).
 
 It draws one ribbon cell per step (per rank in mixed mode) of the API's first
-page, its bucket table is the API's, it follows the ranks while trainers run,
-it switches from the preview to the first job, and the console stays clean.
-A screenshot is kept in the test's tmp_path.
+page, its bucket table is the API's, it follows the ranks while trainers run
+and the leader into the next window of steps, it switches from the preview
+to the first job, a job of 1,000 ranks stays small and quick (its figures
+printed), and the console stays clean. A screenshot is kept in the test's tmp_path.
 """
 
 from __future__ import annotations
@@ -19,8 +20,12 @@ from typing import Any
 import pytest
 
 from ladle.client import BatchClient
+from ladle.service.http.page import RIBBON_RANKS, TABLE_RANKS
 from ladle.service.report import bucket_cells
 from ladle.service.schedule.stats import BucketRow
+from ladle.service.store import EmbeddedStore, JobSpec, Position
+from ladle.service.synth import make_dataset
+from tests.contract.store_contract import ManualClock
 
 from .conftest import ServerProcess
 
@@ -76,6 +81,14 @@ def cells(driver: Any, ribbon: str) -> int:
 
 
 def text(driver: Any, selector: str) -> str:
+    """The element's text, read again if a refresh replaced it meanwhile (the rank table is redrawn)."""
+    from selenium.common.exceptions import StaleElementReferenceException
+
+    for _ in range(5):
+        try:
+            return str(driver.find_element("css selector", selector).text)
+        except StaleElementReferenceException:
+            continue
     return str(driver.find_element("css selector", selector).text)
 
 
@@ -161,5 +174,137 @@ def test_the_page_opened_with_the_token_in_its_url_keeps_refreshing(
         assert text(browser, "#status").startswith("updated"), text(browser, "#status")
     finally:
         client.close()
+    errors = [entry for entry in browser.get_log("browser") if entry["level"] in ("SEVERE", "WARNING")]
+    assert not errors, f"the browser console shows errors: {errors}"
+
+
+@pytest.fixture(scope="module")
+def wide_dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """200,000 rows: 200 steps an epoch for 1,000 ranks of one row a batch, a full window of the page."""
+    out = tmp_path_factory.mktemp("page-ds") / "ds"
+    make_dataset(out, 200_000, seed=3, scale=1 / 16)
+    return out
+
+
+def ribbon_start(driver: Any) -> int:
+    """The first step the ribbon shows (-1 while a page loads)."""
+    ribbon = "var r = document.getElementById('ribbon-ladle'); return r && r.dataset.start"
+    start = driver.execute_script(ribbon)
+    return int(start) if start is not None else -1
+
+
+def test_the_page_follows_the_leader_into_the_next_window_unless_told_where(
+    browser: Any, server_factory: Callable[..., ServerProcess], wide_dataset: Path
+) -> None:
+    server = server_factory(dataset=wide_dataset)
+    job = "page-follow"
+    client = BatchClient(0, 1, server.address, job, timeout=30)
+    try:
+        take(client, 5)
+        browser.get(f"{server.http_url}/?job={job}")
+        assert ribbon_start(browser) == 0
+        window = int(browser.find_element("css selector", "#ribbon-ladle").get_attribute("data-steps"))
+        assert api(server, f"/v1/jobs/{job}")["steps_per_epoch"] > window + 10, "the epoch is one window"
+        take(client, window + 5)  # the leader leaves the first window
+        wait_until(lambda: ribbon_start(browser) == window, "the page to move to the leader's window")
+        assert text(browser, "h2").startswith(f"Epoch 0: steps {window}"), text(browser, "h2")
+        wait_until(lambda: text(browser, "#rank-0 .pos") == f"0:{window + 10}", "the rank's position")
+        marker = browser.find_element("css selector", '#ribbon-ladle .marker[data-rank="0"]')
+        assert marker.get_attribute("visibility") == "visible", "the leader's outline is not in view"
+        assert "start=" not in browser.current_url, "the page stopped following after moving"
+
+        # a window the user asked for stays while the job runs
+        browser.get(f"{server.http_url}/?job={job}&start=0")
+        assert browser.find_elements("css selector", "#follow"), "no link back to following"
+        take(client, 3)
+        wait_until(lambda: text(browser, "#rank-0 .pos") == f"0:{window + 13}", "the rank's position")
+        assert ribbon_start(browser) == 0, "a page opened at start=0 moved by itself"
+        browser.find_element("css selector", "#follow").click()
+        wait_until(lambda: ribbon_start(browser) == window, "the follow link to open the leader's window")
+    finally:
+        client.close()
+    errors = [entry for entry in browser.get_log("browser") if entry["level"] in ("SEVERE", "WARNING")]
+    assert not errors, f"the browser console shows errors: {errors}"
+
+
+def stored_job(
+    server: ServerProcess, job: str, world: int, step: Callable[[int], int], clock: ManualClock
+) -> EmbeddedStore:
+    """A job of ``world`` ranks written into the server's own store file, every rank joined at ``step(rank)``.
+
+    The store's clock is ``clock``, so a test can make a rank last seen long ago.
+    """
+    listing = api(server, "/v1/jobs")
+    store = EmbeddedStore(server.state, clock=clock)
+    store.open_job(JobSpec(job, listing["dataset"]["fingerprint"], listing["config_fingerprint"], world))
+    for rank in range(world):
+        joined = store.join(job, rank, world)
+        store.advance(job, rank, joined.generation, Position(0, step(rank)))
+    return store
+
+
+def page_figures(browser: Any, server: ServerProcess, job: str) -> str:
+    """Opens the job's page; what it weighs and how long it took: bytes, elements, load, one refresh."""
+    with urllib.request.urlopen(f"{server.http_url}/?job={job}", timeout=60) as response:
+        size = len(response.read())
+    browser.get(f"{server.http_url}/?job={job}")
+    load_ms = browser.execute_script(
+        "var n = performance.getEntriesByType('navigation')[0]; return n.loadEventEnd - n.startTime;"
+    )
+    refreshed = "return window.ladleUpdateMs !== undefined;"
+    wait_until(lambda: browser.execute_script(refreshed), "the first refresh")  # as the page opens
+    browser.execute_script("window.ladleUpdateMs = undefined;")
+    wait_until(lambda: browser.execute_script(refreshed), "a refresh")  # the next one, 2 s later
+    update_ms = browser.execute_script("return window.ladleUpdateMs;")
+    elements = browser.execute_script("return document.getElementsByTagName('*').length;")
+    assert size < 1_000_000, f"the page of {job} is {size:,} bytes"
+    return (
+        f"{size:,} bytes, {elements:,} elements, load {load_ms:.0f} ms in Chromium, "
+        f"a refresh of /cursor drawn in {update_ms:.1f} ms"
+    )
+
+
+def test_the_page_of_a_thousand_ranks_stays_small_and_quick(
+    browser: Any, server_factory: Callable[..., ServerProcess], wide_dataset: Path
+) -> None:
+    """Figures printed beside an 8-rank job's (pytest -s): bytes, elements, load time, one refresh."""
+    server = server_factory(["--max-batch-size", "1"], dataset=wide_dataset)
+    job, world = "page-wide", 1000
+    clock = ManualClock(time.time())
+    stored_job(server, "page-narrow", 8, lambda rank: 6, clock).close()
+    store = stored_job(server, job, world, lambda rank: 3 if rank == 700 else 6, clock)
+    try:
+        clock.now -= 1000  # rank 700 was last seen 1000 s ago
+        joined = store.join(job, 700, world)
+        store.advance(job, 700, joined.generation, Position(0, 4))
+
+        narrow = page_figures(browser, server, "page-narrow")
+        wide = page_figures(browser, server, job)
+        print(f"\npage of {world} ranks: {wide}\npage of 8 ranks: {narrow}")
+        rows = browser.find_elements("css selector", "#ribbon-ladle text")
+        assert len(rows) == RIBBON_RANKS, f"the ribbon draws {len(rows)} rank rows of {world}"
+        steps = int(browser.find_element("css selector", "#ribbon-ladle").get_attribute("data-steps"))
+        assert cells(browser, "ribbon-ladle") == RIBBON_RANKS * steps
+        listed = browser.execute_script(
+            "return Array.from(document.querySelectorAll('#rank-table tbody tr'), function (r) {"
+            " return r.id })"
+        )
+        assert len(listed) == TABLE_RANKS
+        assert listed[0] == "rank-700", f"the stalled rank is not listed first: {listed[:3]}"
+        assert text(browser, "#rank-700 .lag") == "2"
+        assert "of 1000 ranks to look at first" in text(browser, "#rank-note")
+
+        # the next refresh re-sorts: rank 700 caught up and was seen now, rank 5 stalls behind
+        clock.now += 1000
+        joined = store.join(job, 700, world)
+        store.advance(job, 700, joined.generation, Position(0, 6))
+        clock.now -= 500
+        joined = store.join(job, 5, world)
+        store.rewind(job, 5, joined.generation, Position(0, 1))
+        first = "#rank-table tbody tr:first-child td"
+        wait_until(lambda: text(browser, first) == "5", "the table to re-sort")
+        assert text(browser, "#rank-5 .lag") == "5"
+    finally:
+        store.close()
     errors = [entry for entry in browser.get_log("browser") if entry["level"] in ("SEVERE", "WARNING")]
     assert not errors, f"the browser console shows errors: {errors}"

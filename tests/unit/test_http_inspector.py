@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import re
+import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -17,23 +20,30 @@ from ladle.service.http.page import bucket_colour
 from ladle.service.jobs import JobRegistry
 from ladle.service.metrics import LoopHistogram, ServerMetrics
 from ladle.service.schedule import ScheduleConfig, build_schedule
+from ladle.service.standing import steps_between
 from ladle.service.store import EmbeddedStore, Position
+from ladle.service.store.base import Clock
 
 CONFIG = ScheduleConfig(max_seq_len=128, bucket_bounds=(0, 32, 64, 129), token_budget=256, max_batch_size=4)
 
 
-@pytest.fixture
-def inspector(tmp_path: Path) -> insp.Inspector:
+def make_inspector(tmp_path: Path, rows: int = 40_000, clock: Clock = time.time) -> insp.Inspector:
+    """An inspector of ``rows`` rows of lengths 1..128 (no dataset files), its store's clock ``clock``."""
     from types import SimpleNamespace
 
     from ladle.service.dataset import Columns
 
-    lengths = (np.arange(40_000, dtype=np.int64) * 37) % 128 + 1
+    lengths = (np.arange(rows, dtype=np.int64) * 37) % 128 + 1
     dataset = SimpleNamespace(
         lengths=lengths, fingerprint="ds-test", path=str(tmp_path), num_rows=len(lengths), columns=Columns()
     )
-    store = EmbeddedStore(tmp_path / "state.db")
+    store = EmbeddedStore(tmp_path / "state.db", clock=clock)
     return insp.Inspector(JobRegistry(dataset, CONFIG, store))  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def inspector(tmp_path: Path) -> insp.Inspector:
+    return make_inspector(tmp_path)
 
 
 def test_a_page_never_exceeds_its_batch_cap(inspector: insp.Inspector) -> None:
@@ -63,7 +73,7 @@ def test_page_arguments_are_checked(inspector: insp.Inspector) -> None:
 def test_lag_counts_steps_across_epochs(inspector: insp.Inspector) -> None:
     job = inspector.preview(2)
     steps = [job.steps(e) for e in range(3)]
-    between = inspector._steps_between
+    between = steps_between
     assert between(job, Position(0, 3), Position(0, 10)) == 7
     assert between(job, Position(0, 3), Position(1, 2)) == steps[0] - 3 + 2
     assert between(job, Position(0, 3), Position(2, 1)) == steps[0] - 3 + steps[1] + 1
@@ -191,17 +201,30 @@ def test_earlier_steps_go_back_a_full_page_from_the_epochs_end_at_most(inspector
     assert links(30) == {"prev": 0, "next": 30 + size}
 
 
-def test_the_page_opens_where_the_slowest_rank_is(inspector: insp.Inspector) -> None:
+def page_state(html: str) -> dict[str, Any]:
+    found = re.search(r'<script id="ladle-state" type="application/json">(.*?)</script>', html)
+    assert found is not None, "no state for the page's script"
+    doc: dict[str, Any] = json.loads(found[1])
+    return doc
+
+
+def test_the_page_opens_where_the_leader_is_and_follows_it_unless_told_where(
+    inspector: insp.Inspector,
+) -> None:
     size = insp.DEFAULT_PAGE_STEPS
-    started(inspector, "midway", {0: 2 * size + 70, 1: 2 * size + 30})
+    started(inspector, "midway", {0: 2 * size + 70, 1: size + 30})
     client = TestClient(create_app(inspector))
     html = client.get("/", params={"job": "midway"}).text
-    assert ribbon_start(html) == 2 * size, "the page does not open at the slowest rank's page"
+    assert ribbon_start(html) == 2 * size, "the page does not open at the leading rank's window"
     assert pager(html) == {"prev": size, "next": 3 * size}
+    assert page_state(html)["follow"] is True, "a page opened without start= or epoch= does not follow"
+    assert 'id="follow"' not in html, "a page that follows offers to follow"
     assert ribbon_start(client.get("/").text) == 2 * size, "the default job's page neither"
-    assert ribbon_start(client.get("/", params={"job": "midway", "start": 0}).text) == 0, "start=0 ignored"
-    assert ribbon_start(client.get("/", params={"job": "midway", "epoch": 1}).text) == 0
-    assert ribbon_start(client.get("/", params={"job": "midway", "epoch": 0}).text) == 2 * size
+    for params, start in (({"start": 0}, 0), ({"epoch": 1}, 0), ({"epoch": 0}, 2 * size)):
+        navigated = client.get("/", params={"job": "midway", **params}).text
+        assert ribbon_start(navigated) == start, params
+        assert page_state(navigated)["follow"] is False, f"a page opened with {params} moves by itself"
+        assert re.search(r'<a id="follow" href="\./\?job=midway">', navigated), "no way back to following"
 
 
 def test_a_rank_no_trainer_joined_was_never_seen(inspector: insp.Inspector) -> None:
