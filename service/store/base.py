@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Self
+from typing import Generic, Self, TypeVar
 
 from ladle.proto.codec import JOB_NAME_PATTERN, JOB_NAME_RULE, MAX_JOB_NAME_LEN
 
@@ -270,8 +270,10 @@ def check_forward(job: str, rank: int, stored: Position, to: Position) -> None:
         raise CursorRegressionError(job, rank, (stored.epoch, stored.step), (to.epoch, to.step))
 
 
+T = TypeVar("T")
 
-class SharedReads:
+
+class SharedReads(Generic[T]):
     """Concurrent reads of one job's state share one store read that began after each of them was asked.
 
     A thousand ranks opening at once each read the whole job (every rank's
@@ -284,15 +286,15 @@ class SharedReads:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._waiting: dict[str, _Read] = {}  # the next read of a job, not begun: callers join it
+        self._waiting: dict[str, _Read[T]] = {}  # the next read of a job, not begun: callers join it
         self._running: dict[str, threading.Lock] = {}  # one read of a job at a time
 
-    def get(self, job: str, read: Callable[[], JobState]) -> JobState:
+    def get(self, job: str, read: Callable[[], T]) -> T:
         with self._lock:
             mine = self._waiting.get(job)
             lead = mine is None
             if mine is None:
-                mine = self._waiting[job] = _Read()
+                mine = self._waiting[job] = _Read[T]()
             running = self._running.setdefault(job, threading.Lock())
         if not lead:
             mine.done.wait()
@@ -310,20 +312,20 @@ class SharedReads:
                 with self._lock:
                     if job not in self._waiting:
                         self._running.pop(job, None)
-        return mine.value
+        return mine.result()
 
 
-class _Read:
+class _Read(Generic[T]):
     def __init__(self) -> None:
         self.done = threading.Event()
-        self.value: JobState | None = None
+        self.value: T | None = None
         self.error: BaseException | None = None
 
-    def result(self) -> JobState:
+    def result(self) -> T:
         if self.error is not None:
             raise self.error
-        assert self.value is not None
-        return self.value
+        return self.value  # type: ignore[return-value]  # set before done (or error)
+
 
 class CursorStore(abc.ABC):
     """Per-job, per-rank cursors with fencing; one contract for every backing store.
@@ -357,7 +359,7 @@ class CursorStore(abc.ABC):
 
     def __init__(self, *, clock: Clock = time.time) -> None:
         self._clock = clock
-        self._reads = SharedReads()
+        self._reads: SharedReads[JobState] = SharedReads()
         self._left_out_jobs: set[tuple[str, str, str]] = set()
 
     def _now(self) -> float:

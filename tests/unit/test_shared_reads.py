@@ -30,7 +30,7 @@ class _Slow:
         return mine
 
 
-def _ask(reads: SharedReads, read: Any, out: list[Any]) -> threading.Thread:
+def _ask(reads: SharedReads[Any], read: Any, out: list[Any]) -> threading.Thread:
     thread = threading.Thread(target=lambda: out.append(reads.get("job", read)))
     thread.start()
     return thread
@@ -44,7 +44,8 @@ def _wait_for(condition: Any) -> None:
 
 
 def test_callers_during_a_read_share_the_next_read_not_the_running_one() -> None:
-    reads, read, out = SharedReads(), _Slow(), []
+    reads: SharedReads[int] = SharedReads()
+    read, out = _Slow(), list[Any]()
     first = _ask(reads, read, out)
     _wait_for(lambda: read.begun == 1)  # read 1 runs: callers from now on may not take its answer
     later = [_ask(reads, read, out) for _ in range(20)]
@@ -58,7 +59,7 @@ def test_callers_during_a_read_share_the_next_read_not_the_running_one() -> None
 
 
 def test_an_error_reaches_every_caller_of_that_read_and_the_next_read_is_fresh() -> None:
-    reads = SharedReads()
+    reads: SharedReads[str] = SharedReads()
     gate = threading.Event()
     errors: list[BaseException] = []
 
@@ -80,7 +81,7 @@ def test_an_error_reaches_every_caller_of_that_read_and_the_next_read_is_fresh()
     for t in threads:
         t.join(10)
     assert len(errors) == 5
-    assert reads.get("job", lambda: "fresh") == "fresh"  # type: ignore[arg-type,return-value]
+    assert reads.get("job", lambda: "fresh") == "fresh"
 
 
 def test_the_store_reads_a_write_that_ended_before_the_call(tmp_path: Path) -> None:
@@ -117,7 +118,7 @@ def test_the_store_reads_a_write_that_ended_before_the_call(tmp_path: Path) -> N
 
 @pytest.mark.parametrize("jobs", [1, 3])
 def test_reads_of_other_jobs_do_not_wait_for_each_other(jobs: int) -> None:
-    reads = SharedReads()
+    reads: SharedReads[str] = SharedReads()
     release = threading.Event()
     out: list[Any] = []
 
@@ -129,7 +130,7 @@ def test_reads_of_other_jobs_do_not_wait_for_each_other(jobs: int) -> None:
     t.start()
     time.sleep(0.02)
     for i in range(jobs):
-        assert reads.get(f"other-{i}", lambda: "quick") == "quick"  # type: ignore[arg-type,return-value]
+        assert reads.get(f"other-{i}", lambda: "quick") == "quick"
     release.set()
     t.join(10)
     assert out == ["blocked"]
