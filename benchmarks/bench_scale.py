@@ -42,6 +42,7 @@ stdout and a table on stderr. Every process started here is stopped in a
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import math
 import multiprocessing as mp
@@ -92,6 +93,7 @@ class ScaleSettings:
     slow_redis_s: float = 3.0
     timeout_s: float = 120.0  # each client's timeout (a replica's ranks wait this long for another)
     server_args: tuple[str, ...] = ()  # more ``ladle serve`` flags
+    client: str = "batchclient"  # batchclient | lean (asyncio ranks speaking the same protocol)
 
 
 QUICK = ScaleSettings()
@@ -136,6 +138,69 @@ def _rank(
         record["error"] = f"{type(exc).__name__}: {exc}"
 
 
+async def _lean_rank(
+    rank: int, world: int, channel: Any, settings: ScaleSettings, go: float, record: dict[str, Any]
+) -> None:
+    """One rank as BatchClient speaks to the server (Open, then one Ack with one credit a batch), on
+    asyncio: no threads of its own. Its own connection, as a trainer process has."""
+    import grpc
+
+    from ladle.proto import codec, rpc
+    from ladle.proto import ladle_pb2 as pb
+
+    step_s = settings.step_ms / 1000
+    try:
+        call = channel.stream_stream(
+            rpc.STREAM_METHOD, request_serializer=pb.StreamRequest.SerializeToString
+        )()
+        opening = pb.Open(job=JOB, rank=rank, world_size=world, prefetch=2, client_id=f"lean-{rank}")
+        await call.write(pb.StreamRequest(open=opening))
+        record["made"] = time.monotonic() - go
+        ended, due = 0, 0.0
+        while ended < settings.epochs:
+            asked = time.monotonic()
+            frame = await call.read()
+            if frame is grpc.aio.EOF:
+                raise RuntimeError(f"the stream ended after {ended} epochs: {await call.code()}")
+            item = codec.decode_frame(frame)
+            if isinstance(item, codec.DecodedEpochEnd):
+                ended += 1
+                continue
+            if not isinstance(item, codec.DecodedBatch):
+                record["started"] = time.monotonic() - go
+                continue  # the stream's start
+            now = time.monotonic()
+            if record["first"] is None:
+                record["first"] = now - go
+                due = now
+            record["batches"].append((item.epoch, item.step, np.array(item.sample_ids), now, now - asked))
+            due += step_s
+            await asyncio.sleep(max(0.0, due - time.monotonic()))  # the training step
+            through = pb.Position(epoch=item.epoch, step=item.step + 1)
+            await call.write(pb.StreamRequest(ack=pb.Ack(through=through, credit=1)))
+        await call.done_writing()
+        while await call.read() is not grpc.aio.EOF:
+            pass
+    except BaseException as exc:
+        record["error"] = f"{type(exc).__name__} after {time.monotonic() - go:.1f} s: {exc}"
+
+
+async def _lean_ranks(ranks: list[int], world: int, servers: str, settings: ScaleSettings, go: float) -> Any:
+    """The ranks of one process, each on a connection of its own, as trainer processes have; every
+    connection stays open until all of them are done (a closed one would end no other's calls)."""
+    import grpc
+
+    addresses = servers.split(",")
+    own = [("grpc.use_local_subchannel_pool", 1)]
+    channels = {r: grpc.aio.insecure_channel(addresses[r % len(addresses)], options=own) for r in ranks}
+    out: dict[int, Any] = {r: {"batches": [], "error": None, "first": None, "made": None} for r in ranks}
+    try:
+        await asyncio.gather(*(_lean_rank(r, world, channels[r], settings, go, out[r]) for r in ranks))
+    finally:
+        await asyncio.gather(*(c.close() for c in channels.values()))
+    return out
+
+
 def _worker(
     ranks: list[int],
     world: int,
@@ -152,14 +217,17 @@ def _worker(
     go.wait()
     start = go_at.value
     out: dict[int, Any] = {}
-    threads = [
-        threading.Thread(target=_rank, args=(r, world, servers, settings, start, out), daemon=True)
-        for r in ranks
-    ]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    if settings.client == "lean":
+        out = asyncio.run(_lean_ranks(ranks, world, servers, settings, start))
+    else:
+        threads = [
+            threading.Thread(target=_rank, args=(r, world, servers, settings, start, out), daemon=True)
+            for r in ranks
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
     usage = resource.getrusage(resource.RUSAGE_SELF)
     with open(path, "wb") as f:
         pickle.dump({"ranks": out, "cpu_s": usage.ru_utime + usage.ru_stime}, f)
@@ -357,6 +425,7 @@ def run_case(
         "ranks": ranks,
         "replicas": replicas,
         "fault": settings.fault,
+        "client": settings.client,
         "replica_exits": exits,  # -9: the one the fault killed
         "step_ms": settings.step_ms,
         "steps_per_epoch": checked["steps_per_epoch"],
@@ -398,6 +467,8 @@ def _fault(
         elif settings.fault == "slow-redis":
             rc.execute_command("DEBUG", "SLEEP", str(settings.slow_redis_s))
 
+    if settings.client == "lean":
+        raise ValueError("the lean ranks do not fail over: run faults with --client batchclient")
     if settings.fault not in ("kill-replica", "slow-redis"):
         raise ValueError(f"unknown fault {settings.fault!r} (none, kill-replica or slow-redis)")
     thread = threading.Thread(target=act, daemon=True)
@@ -489,6 +560,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--steps-per-epoch", type=int, help="about; the dataset is sized for it")
     parser.add_argument("--workers", type=int, help="processes that hold the ranks")
     parser.add_argument("--fault", choices=("none", "kill-replica", "slow-redis"), default="none")
+    parser.add_argument("--client", choices=("batchclient", "lean"), help="what each rank is")
     parser.add_argument("--server-args", help="more ladle serve flags, e.g. '--ack-flush-ms 1000'")
     parser.add_argument("--keep", type=Path, help="make datasets and runs here and keep them")
     args = parser.parse_args(argv)
@@ -500,6 +572,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "steps_per_epoch": args.steps_per_epoch,
         "workers": args.workers,
         "fault": args.fault,
+        "client": args.client,
         "server_args": tuple(args.server_args.split()) if args.server_args else None,
     }
     settings = replace(settings, **{k: v for k, v in chosen.items() if v is not None})

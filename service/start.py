@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Final, Protocol
 
 from .store.base import Position, RankState
@@ -65,12 +65,21 @@ class Positions(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class HotPositions:
-    """``Positions`` of a job as a trainer's stream uses them (its schedules kept hot)."""
+    """``Positions`` of a job as a trainer's stream uses them (its schedules kept hot).
+
+    One is made for one decision, which normalises every rank's position: the
+    answers are kept (a thousand ranks stand at a few positions), so a decision
+    asks the schedule cache once per position, not once per rank.
+    """
 
     job: Job
+    _normalised: dict[Position, Position] = field(default_factory=dict)
 
     def normalise(self, position: Position) -> Position:
-        return self.job.normalise(position, hot=True)
+        known = self._normalised.get(position)
+        if known is None:
+            known = self._normalised[position] = self.job.normalise(position, hot=True)
+        return known
 
     def steps(self, epoch: int) -> int:
         return self.job.steps(epoch, hot=True)
