@@ -23,10 +23,10 @@ from ._seeds import STAGE_RANDOM_INTERLEAVE, permutation
 from .buckets import assign_buckets, auto_bounds, quantile_bounds
 from .config import ALGORITHM_VERSION, ScheduleConfig
 from .interleave import interleave_1d, interleave_grid
-from .packing import Packed, batch_order, pack
+from .packing import Packed, batch_order, check_keys, pack
 from .remainder import fit_to_world
 
-__all__ = ["Cut", "Dropped", "Schedule", "build_schedule", "cut_samples", "resolve_bounds"]
+__all__ = ["Cut", "Dropped", "Schedule", "bucket_edges", "build_schedule", "cut_samples", "resolve_bounds"]
 
 I64 = npt.NDArray[np.int64]
 
@@ -309,33 +309,17 @@ def resolve_bounds(lengths: npt.ArrayLike, config: ScheduleConfig) -> tuple[int,
     return best[1]
 
 
-def build_schedule(
-    lengths: npt.ArrayLike,
-    config: ScheduleConfig,
-    *,
-    epoch: int = 0,
-    world_size: int = 1,
-    rows: npt.ArrayLike | None = None,
-    bounds: tuple[int, ...] | None = None,
-) -> Schedule:
-    """The schedule of ``epoch`` for ``world_size`` ranks over samples of these lengths.
+def _usable(
+    lens: npt.NDArray[np.integer], config: ScheduleConfig, rows: npt.ArrayLike | None
+) -> tuple[I64 | None, npt.NDArray[np.integer], dict[str, I64]]:
+    """The rows an epoch schedules (None: all), their lengths cut to ``max_seq_len``, and the rows dropped.
 
-    ``rows`` (sorted, unique row indices) limits the epoch to those rows: the
-    rest of an epoch re-planned for a new world size (``service.jobs``).
-    ``bounds`` overrides the bucket edges ``config`` would resolve (a re-plan
-    keeps the epoch's edges even when they are ``auto``).
+    Over-long samples are cut, dropped or refused as ``config.overlong`` says.
     """
-    if not isinstance(world_size, int | np.integer) or world_size < 1:
-        raise ConfigError("world_size", f"must be a positive integer, got {world_size!r}")
-    if not isinstance(epoch, int | np.integer) or epoch < 0:
-        raise ConfigError("epoch", f"must be a non-negative integer, got {epoch!r}")
-    world_size, epoch = int(world_size), int(epoch)
-    lens = _as_lengths(lengths)
     if lens.size == 0:
         raise ScheduleError("lengths: the dataset is empty")
     num_rows = len(lens)
     dropped: dict[str, I64] = {}
-
     subset: I64 | None = None  # None: every row, in order
     cut: npt.NDArray[np.integer] = lens
     if rows is not None:
@@ -359,11 +343,56 @@ def build_schedule(
     del over
     if len(cut) == 0:
         raise ScheduleError("every sample was dropped as over-long; nothing to schedule")
+    return subset, cut, dropped
 
+
+def _edges(cut: npt.NDArray[np.integer], config: ScheduleConfig) -> tuple[int, ...]:
+    return resolve_bounds(cut, config) if config.bucket_bounds == "auto" else tuple(config.bucket_bounds)
+
+
+def bucket_edges(lengths: npt.ArrayLike, config: ScheduleConfig) -> tuple[int, ...]:
+    """The bucket edges of every epoch's schedule of these lengths, with the config checked against them.
+
+    ``build_schedule(lengths, config, bounds=bucket_edges(lengths, config))``
+    is ``build_schedule(lengths, config)``, for every epoch and world size,
+    without resolving ``auto`` edges again (a pass over the lengths and three
+    trial packings: seconds at 10^8 rows). Raises what ``build_schedule``
+    raises before the world size matters (``OverlongSampleError``, every
+    sample dropped, more rows than the sort keys hold), at a fraction of a
+    build's cost: a server checks its config with it at start-up.
+    """
+    _, cut, _ = _usable(_as_lengths(lengths), config, None)
+    bounds = _edges(cut, config)
+    check_keys(assign_buckets(cut, bounds), len(bounds) - 1, config)
+    return bounds
+
+
+def build_schedule(
+    lengths: npt.ArrayLike,
+    config: ScheduleConfig,
+    *,
+    epoch: int = 0,
+    world_size: int = 1,
+    rows: npt.ArrayLike | None = None,
+    bounds: tuple[int, ...] | None = None,
+) -> Schedule:
+    """The schedule of ``epoch`` for ``world_size`` ranks over samples of these lengths.
+
+    ``rows`` (sorted, unique row indices) limits the epoch to those rows: the
+    rest of an epoch re-planned for a new world size (``service.jobs``).
+    ``bounds`` overrides the bucket edges ``config`` would resolve (a re-plan
+    keeps the epoch's edges even when they are ``auto``).
+    """
+    if not isinstance(world_size, int | np.integer) or world_size < 1:
+        raise ConfigError("world_size", f"must be a positive integer, got {world_size!r}")
+    if not isinstance(epoch, int | np.integer) or epoch < 0:
+        raise ConfigError("epoch", f"must be a non-negative integer, got {epoch!r}")
+    world_size, epoch = int(world_size), int(epoch)
+    lens = _as_lengths(lengths)
+    num_rows = len(lens)
+    subset, cut, dropped = _usable(lens, config, rows)
     if bounds is None:
-        bounds = (
-            resolve_bounds(cut, config) if config.bucket_bounds == "auto" else tuple(config.bucket_bounds)
-        )
+        bounds = _edges(cut, config)
     num_buckets = len(bounds) - 1
     bucket_ids = assign_buckets(cut, bounds)
     packed = pack(subset, cut, bucket_ids, num_buckets, config, epoch, num_rows)

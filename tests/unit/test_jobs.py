@@ -17,10 +17,10 @@ from ladle.service.store.base import Position
 
 
 def make_job(monkeypatch: pytest.MonkeyPatch, calls: list[int]) -> jobs.Job:
-    def slow_build(lengths: Any, config: ScheduleConfig, *, epoch: int, world_size: int) -> Any:
+    def slow_build(lengths: Any, config: ScheduleConfig, *, epoch: int, world_size: int, **kw: Any) -> Any:
         calls.append(epoch)
         time.sleep(0.2)
-        return build_schedule(lengths, config, epoch=epoch, world_size=world_size)
+        return build_schedule(lengths, config, epoch=epoch, world_size=world_size, **kw)
 
     monkeypatch.setattr(jobs, "build_schedule", slow_build)
     dataset = SimpleNamespace(lengths=np.arange(1, 400, dtype=np.int64) % 97 + 1, fingerprint="ds")
