@@ -288,9 +288,13 @@ class Job:
         )
 
     def batch(self, position: Position, rank: int) -> BatchRef:
+        """The batch of ``rank`` at ``position``; from the middle of an epoch on, the next epoch's
+        schedule is built (or being built) in the background, and at its start already, so no stream
+        waits for a build at the boundary: a stream that starts past the middle (a trainer resumed
+        there, or a restarted server) prepares it on its first batch."""
         sched = self.schedule(position.epoch, hot=True)
-        if position.step == 0 or position.step == sched.num_steps // 2:
-            self.warm(position.epoch + 1)
+        if position.step == 0 or position.step >= sched.num_steps // 2:
+            self.warm(position.epoch + 1)  # a look-up once it is kept
         rows, padded_len, bucket = sched.batch(position.step, rank)
         return BatchRef(
             epoch=position.epoch,
