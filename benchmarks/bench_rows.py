@@ -11,7 +11,7 @@ own and is printed beside a baseline measured in the same run:
 
 a. ``open_dataset`` (a fresh process: seconds and peak RSS) beside the least
    a reader of the row lengths does: ``datasets.load_from_disk`` and Arrow's
-   ``list_value_length`` of ``input_ids``.
+   ``list_value_length`` of ``input_ids``; both with the files in page cache.
 b. the schedule of epoch 0 for ``--world-size`` ranks (64): ``bucket_edges``
    (``auto`` edges, resolved once a server) then ``build_schedule`` with them,
    what a server does for each epoch, with the peak RSS over the lengths alone,
@@ -170,8 +170,17 @@ def _child(code: str, *args: str) -> dict[str, Any]:
     return result
 
 
+def _read_through(path: Path) -> None:
+    """Read every file of ``path`` once, so both sides of (a) open it from page cache."""
+    for f in sorted(path.iterdir()):
+        with f.open("rb") as fh:
+            while fh.read(64 << 20):
+                pass
+
+
 def bench_open(path: Path) -> dict[str, Any]:
     """(a) ``open_dataset`` beside ``load_from_disk`` + Arrow's list lengths, each in a fresh process."""
+    _read_through(path)
     ladle, base = _child(_OPEN, str(path), "ladle"), _child(_OPEN, str(path), "baseline")
 
     def peak(run: dict[str, Any]) -> dict[str, int]:

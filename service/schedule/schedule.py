@@ -291,7 +291,9 @@ def resolve_bounds(lengths: npt.ArrayLike, config: ScheduleConfig) -> tuple[int,
     """
     if config.bucket_bounds != "auto":
         return tuple(config.bucket_bounds)
-    cut = np.minimum(_as_lengths(lengths), config.max_seq_len)
+    cut = _as_lengths(lengths)
+    if cut.size and int(cut.max()) > config.max_seq_len:  # else no copy of them all
+        cut = np.minimum(cut, config.max_seq_len)
     k, top, pad = config.num_buckets, config.max_seq_len, config.pad_to_multiple_of
     candidates = [
         auto_bounds(cut, k, top, pad, token_budget=config.token_budget, max_batch_size=config.max_batch_size),
