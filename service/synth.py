@@ -37,9 +37,11 @@ The folder is written by ``_writer.write_dataset`` (the layout of
 previous one is written, so besides the per-row arrays (20 bytes a row:
 lengths, window starts and prompt lengths as int32, the writer's int64
 offsets) at most three batches (tens of MB) are in memory: about 150 MB in
-all for a million rows, 2.5 GB at the peak for 10^8 tiny rows (``scale``
-1/256, about a minute and a half). The disk then bounds the time (about 30 s
-for the 10 GB of a million production rows at 350 MB/s).
+all for a million rows. 10^8 rows of ``scale`` 1/1024 (2.5 GB on disk) took
+81 s with a peak RSS of 5.6 GB, 2.5 GB of it the written files' pages mapped
+when the result is opened (``benchmarks/bench_rows.py``). The disk then
+bounds the time (about 30 s for the 10 GB of a million production rows at
+350 MB/s).
 """
 
 from __future__ import annotations
