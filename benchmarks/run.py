@@ -1,10 +1,11 @@
 """Run every benchmark and print its figures beside their baselines.
 
 ``python -m benchmarks.run`` (quick: 1M lengths, serving a 0.4 GB dataset, 1.5 s per
-cursor-store case, a 15 s connection soak, make-dataset from 32 MB of JSONL) or ``--full`` (10M
-lengths, the sizes the issues' targets name; serving 1 GB and a 4.1 GB dataset for the server's memory;
-the wire-layout comparison; three 5 s rounds per store case; the soak with 200 idle connections and 50
-connects a second for a minute; make-dataset from 1 GB of JSONL).
+cursor-store case, a 15 s connection soak, make-dataset from 32 MB of JSONL, ladle serve on 10^6 tiny
+rows) or ``--full`` (10M lengths, the sizes the issues' targets name; serving 1 GB and a 4.1 GB dataset
+for the server's memory; the wire-layout comparison; three 5 s rounds per store case; the soak with 200
+idle connections and 50 connects a second for a minute; make-dataset from 1 GB of JSONL; ladle serve on
+10^8 tiny rows, about 10 minutes more).
 Results are JSON on stdout and a short table on stderr.
 """
 
@@ -23,6 +24,7 @@ from benchmarks import (
     bench_ingest,
     bench_ranks,
     bench_roundtrips,
+    bench_rows,
     bench_sampler,
     bench_schedule,
     bench_serving,
@@ -51,6 +53,7 @@ def main(argv: list[str]) -> int:
         "soak": bench_soak.main(full),
         "client_lifetime": bench_client_lifetime.main(full),
         "sampler": bench_sampler.main(50_000 if full else 20_000),
+        "rows": bench_rows.run(10**8, boundary_rows=10**7) if full else bench_rows.run(10**6),
     }
     if full:  # the transport comparison behind the frame layout (about 7 minutes)
         results["wire"] = bench_wire.main([])
@@ -108,6 +111,8 @@ def main(argv: list[str]) -> int:
     for line in bench_ingest.summary(results["ingest"]):
         print(line, file=sys.stderr)
     for line in bench_sampler.summary(results["sampler"]):
+        print(line, file=sys.stderr)
+    for line in bench_rows.summary(results["rows"]):
         print(line, file=sys.stderr)
     return 0
 

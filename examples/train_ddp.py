@@ -363,7 +363,7 @@ def bucket_levels(run: RunLog, skip: int, trend: int) -> list[BucketLevel]:
 
 def replay(
     runs: list[RunLog],
-    lengths: I64,
+    lengths: npt.NDArray[np.integer],
     config: ScheduleConfig,
     *,
     seeds: int,

@@ -7,7 +7,10 @@ the column and the first offending rows. It reads only Arrow metadata, list
 offsets and a fixed sample of tokens from the memory-mapped shards, so opening
 costs time and memory proportional to the number of rows, never to the number
 of tokens (the sampled reads do pull the kernel's read-ahead around each of
-them into page cache: up to ``FINGERPRINT_SAMPLE`` x 8 MiB per column).
+them into page cache: up to ``FINGERPRINT_SAMPLE`` x 8 MiB per column). The
+checks run in Arrow's compute kernels over whole columns, not in a Python
+loop over record batches (``save_to_disk`` writes one per 1,000 rows: 10^5
+of them for 10^8 rows), and the row lengths are kept as 4 bytes a row.
 
 Token values themselves are not scanned (no vocabulary or sign check): that
 would read every token, and it is left to whoever assembles batches.
@@ -60,6 +63,8 @@ __all__ = [
 ]
 
 I64 = npt.NDArray[np.int64]
+# Row lengths: int32 from a list column (32-bit offsets), int64 from a large_list one.
+Lengths = npt.NDArray[np.int32] | npt.NDArray[np.int64]
 log = logging.getLogger("ladle.dataset")
 
 TOKENS = "input_ids"
@@ -178,8 +183,9 @@ def parse_columns(specs: Sequence[str]) -> dict[str, str]:
 class TokenDataset:
     """A validated, memory-mapped token dataset.
 
-    Guarantees: ``num_rows >= 1``; ``lengths[i]`` (int64, read-only) is the
-    number of tokens of row ``i`` in ``input_ids``, equal to the length of its
+    Guarantees: ``num_rows >= 1``; ``lengths[i]`` (read-only; int32, or int64
+    when ``input_ids`` is a large_list column) is the number of tokens of row
+    ``i`` in ``input_ids``, equal to the length of its
     ``loss_mask`` and to its ``seq_len`` when ``has_seq_len``, and ``>= 1``;
     neither list column holds a null row or a null token. ``fingerprint`` (16
     hex characters) is the same for the same data in every process and on every
@@ -193,7 +199,7 @@ class TokenDataset:
 
     path: str
     num_rows: int
-    lengths: I64 = field(repr=False)
+    lengths: Lengths = field(repr=False)
     fingerprint: str
     has_seq_len: bool
     table: pa.Table = field(repr=False)
@@ -227,7 +233,7 @@ class TokenDataset:
     @property
     def num_tokens(self) -> int:
         """Total tokens over all rows."""
-        return int(self.lengths.sum())
+        return int(self.lengths.sum(dtype=np.int64))
 
 
 def open_dataset(
@@ -292,14 +298,13 @@ def open_dataset(
     served = _served(chosen)
     for name in served:
         _check_list_nulls(where, name, table.column(name))
-    lengths = _list_lengths(table.column(chosen.input_ids))
+    row_lengths = pc.list_value_length(table.column(chosen.input_ids))
     if chosen.mask is not None:
-        mask_lengths = _list_lengths(table.column(chosen.mask))
         _check_equal(
             where,
             f"{chosen.mask} length disagrees with the length of {chosen.input_ids}",
-            mask_lengths,
-            lengths,
+            pc.list_value_length(table.column(chosen.mask)),
+            row_lengths,
         )
     has_seq_len = SEQ_LEN in table.column_names
     if has_seq_len:
@@ -310,10 +315,12 @@ def open_dataset(
                 f"dataset {where}: column {SEQ_LEN!r} is null in {len(rows)} row(s) "
                 f"(first rows: {rows[:_FIRST_ROWS].tolist()})"
             )
-        seq_values = np.asarray(seq.to_numpy(), dtype=np.int64)
-        _check_equal(where, f"seq_len disagrees with the length of {chosen.input_ids}", seq_values, lengths)
-    empty = np.flatnonzero(lengths == 0)
-    if len(empty):
+        _check_equal(where, f"seq_len disagrees with the length of {chosen.input_ids}", seq, row_lengths)
+    lengths: Lengths = row_lengths.to_numpy()
+    del row_lengths
+    pa.default_memory_pool().release_unused()  # the checks' column-long temporaries: 8 bytes a row
+    if int(lengths.min()) == 0:
+        empty = np.flatnonzero(lengths == 0)
         raise ZeroLengthRowsError(where, len(empty), empty[:_FIRST_ROWS].tolist())
     lengths.flags.writeable = False
     if chosen.mask_from == "labels":
@@ -326,7 +333,7 @@ def open_dataset(
         has_seq_len=has_seq_len,
         table=table,
         files=files,
-        file_ends=_file_ends(files, num_rows),
+        file_ends=_file_ends(files, num_rows, ds.data),
         columns=chosen,
     )
 
@@ -362,14 +369,14 @@ def _choose_columns(where: str, table: Any, overrides: Mapping[str, str]) -> Col
 _LABELS_DIFFER = 0.5
 
 
-def _check_labels(where: str, table: Any, columns: Columns, lengths: I64) -> None:
+def _check_labels(where: str, table: Any, columns: Columns, lengths: Lengths) -> None:
     """Warn when sampled labels are mostly neither -100 nor their own token: labels stored shifted.
 
     ladle reads labels for the mask only (the trainer shifts input_ids), so
     labels already shifted by one would put every row's mask one token off.
     """
     assert columns.mask is not None
-    positions = _sample_positions(int(lengths.sum()))
+    positions = _sample_positions(int(lengths.sum(dtype=np.int64)))
     labels = _sample_values(table.column(columns.mask), positions)
     ids = _sample_values(table.column(columns.input_ids), positions)
     scored = labels != IGNORE_INDEX
@@ -389,13 +396,21 @@ def _check_labels(where: str, table: Any, columns: Columns, lengths: I64) -> Non
         )
 
 
-def _file_ends(files: Sequence[DataFile], num_rows: int) -> I64 | None:
-    """The row after the last of each file (files hold the rows in order), or None if they do not add up."""
-    counts = []
+def _file_ends(files: Sequence[DataFile], num_rows: int, data: Any = None) -> I64 | None:
+    """The row after the last of each file (files hold the rows in order), or None if they do not add up.
+
+    ``data`` is the ``datasets`` table: its memory-mapped blocks say how many
+    rows each file holds. Without it (or when its blocks are not one file
+    each), each file's record batches are counted from their headers, which
+    maps the whole of a file of small rows into the process once more.
+    """
+    counts = _rows_by_block(data, files) if data is not None else None
     try:
-        for data_file in files:
-            with pa.memory_map(data_file.path) as source:  # the batches' headers only: no token page
-                counts.append(sum(batch.num_rows for batch in pa.ipc.open_stream(source)))
+        if counts is None:
+            counts = []
+            for data_file in files:
+                with pa.memory_map(data_file.path) as source:  # the batches' headers only: no token page
+                    counts.append(sum(batch.num_rows for batch in pa.ipc.open_stream(source)))
     except (OSError, pa.ArrowException):
         return None
     ends = np.cumsum(np.asarray(counts, dtype=np.int64))
@@ -403,6 +418,23 @@ def _file_ends(files: Sequence[DataFile], num_rows: int) -> I64 | None:
         return None
     ends.flags.writeable = False
     return ends
+
+
+def _rows_by_block(data: Any, files: Sequence[DataFile]) -> list[int] | None:
+    """Rows of each file, from the ``datasets`` table's memory-mapped blocks (one a file, in order), or None.
+
+    ``datasets.load_from_disk`` concatenates one ``MemoryMappedTable`` a file
+    (a ``ConcatenationTable`` of one block a row) or, for one file, returns
+    that table itself.
+    """
+    blocks = getattr(data, "blocks", None)
+    rows = [[data]] if blocks is None else blocks
+    if any(len(row) != 1 for row in rows):
+        return None
+    paths = [getattr(row[0], "path", None) for row in rows]
+    if paths != [data_file.path for data_file in files]:
+        return None
+    return [int(row[0].num_rows) for row in rows]
 
 
 def _load(where: str) -> Any:
@@ -668,6 +700,8 @@ def _check_list_nulls(where: str, name: str, column: Any) -> None:
             f"dataset {where}: column {name!r} is null in {len(rows)} row(s) "
             f"(first rows: {rows[:_FIRST_ROWS].tolist()})"
         )
+    if not pc.list_flatten(column).null_count:  # each chunk's own slice of its values, in Arrow
+        return
     base = 0
     for chunk in column.chunks:
         if chunk.values.null_count and _values(chunk).null_count:
@@ -681,16 +715,16 @@ def _check_list_nulls(where: str, name: str, column: Any) -> None:
         base += len(chunk)
 
 
-def _list_lengths(column: Any) -> I64:
-    """Per-row list lengths from the Arrow offsets, chunk by chunk (no row is materialised)."""
-    parts = [np.diff(np.asarray(chunk.offsets.to_numpy(), dtype=np.int64)) for chunk in column.chunks]
-    if not parts:
-        return np.zeros(0, dtype=np.int64)
-    return np.concatenate(parts)
-
-
-def _check_equal(where: str, what: str, actual: I64, expected: I64) -> None:
-    bad = np.flatnonzero(actual != expected)
+def _check_equal(where: str, what: str, actual: Any, expected: Any) -> None:
+    """``LengthMismatchError`` naming the rows where two integer columns (Arrow, chunked) differ."""
+    try:
+        if pc.all(pc.equal(actual, expected)).as_py():
+            return
+    except pa.ArrowNotImplementedError:  # types without a common one (uint64 against int32): numpy
+        pass
+    bad = np.flatnonzero(
+        np.asarray(actual.to_numpy(), dtype=np.int64) != np.asarray(expected.to_numpy(), dtype=np.int64)
+    )
     if len(bad):
         raise LengthMismatchError(where, what, len(bad), bad[:_FIRST_ROWS].tolist())
 
@@ -703,27 +737,32 @@ def _sample_positions(total: int, count: int = FINGERPRINT_SAMPLE) -> I64:
 
 
 def _sample_values(column: Any, positions: I64) -> I64:
-    """The flattened values of a list column at sorted ``positions``, read chunk by chunk."""
+    """The flattened values of a list column at sorted ``positions``, reading only the chunks they fall in."""
+    flat = pc.list_flatten(column)  # each chunk's values, as its offsets slice them
+    sizes = np.fromiter((len(chunk) for chunk in flat.chunks), dtype=np.int64, count=flat.num_chunks)
+    starts = np.cumsum(sizes) - sizes
+    which = np.searchsorted(starts + sizes, positions, side="right")
     out = np.empty(len(positions), dtype=np.int64)
-    base = 0
-    for chunk in column.chunks:
-        values = _values(chunk)
-        lo, hi = np.searchsorted(positions, [base, base + len(values)])
-        if hi > lo:
-            array = np.asarray(values.to_numpy(zero_copy_only=False))
-            out[lo:hi] = array[positions[lo:hi] - base]
-        base += len(values)
+    for c in np.unique(which).tolist():
+        picked = which == c
+        values = np.asarray(flat.chunk(c).to_numpy(zero_copy_only=False))
+        out[picked] = values[positions[picked] - starts[c]]
     return out
 
 
-def _fingerprint(table: Any, lengths: I64, columns: Columns) -> str:
+# Lengths are hashed as int64 in blocks of this many rows (no copy of the whole array).
+_HASH_BLOCK = 1 << 20
+
+
+def _fingerprint(table: Any, lengths: Lengths, columns: Columns) -> str:
     digest = hashlib.blake2b(_FINGERPRINT_TAG, digest_size=8)
     digest.update(struct.pack("<q", int(table.num_rows)))
     for schema_field in table.schema:
         digest.update(f"\0{schema_field.name}\0{schema_field.type}".encode())
     digest.update(b"\0lengths")
-    digest.update(lengths.astype("<i8").tobytes())
-    positions = _sample_positions(int(lengths.sum()))
+    for first in range(0, len(lengths), _HASH_BLOCK):  # the bytes of lengths.astype("<i8"), a block at a time
+        digest.update(np.ascontiguousarray(lengths[first : first + _HASH_BLOCK], dtype="<i8").data)
+    positions = _sample_positions(int(lengths.sum(dtype=np.int64)))
     if not columns.default:  # ladle's own columns hash as before: their jobs keep their fingerprint
         digest.update(f"\0columns\0{columns.input_ids}\0{columns.mask_from}\0{columns.mask or ''}".encode())
     for name in _served(columns):

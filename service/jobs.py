@@ -36,7 +36,7 @@ from .errors import (
 )
 from .lease import AlignedStarts, Claim, RankLease, StreamAbortedError, placed
 from .limits import MAX_SCHEDULES, SPARE_SCHEDULES
-from .schedule import ALGORITHM_VERSION, Dropped, Schedule, ScheduleConfig, build_schedule
+from .schedule import ALGORITHM_VERSION, Dropped, Schedule, ScheduleConfig, bucket_edges, build_schedule
 from .schedule_cache import (
     BUILD_WAIT_S,
     COLD_WAIT_S,
@@ -111,6 +111,7 @@ def plan_schedule(
     epoch: int,
     world_size: int,
     plan: tuple[Resize, ...] = (),
+    bounds: tuple[int, ...] | None = None,
 ) -> Schedule:
     """The schedule of ``epoch`` for a job whose world size changed along ``plan`` (guarantee 7).
 
@@ -122,9 +123,10 @@ def plan_schedule(
     rank is ever in it); an epoch it had not begun is planned for the new
     world as usual. A remainder too small to give every new rank a batch is
     dropped and reported (``Dropped`` reason ``remainder``), like any other.
+    ``bounds``: the edges ``config`` resolves for ``lengths`` (``bucket_edges``), if known.
     """
     sizes = [r.world_size for r in plan] + [world_size]
-    sched = build_schedule(lengths, config, epoch=epoch, world_size=sizes[0])
+    sched = build_schedule(lengths, config, epoch=epoch, world_size=sizes[0], bounds=bounds)
     bounds = tuple(sched.bounds)
     replanned = False
     for resize, size in zip(plan, sizes[1:], strict=True):
@@ -141,7 +143,7 @@ def plan_schedule(
             rows = np.sort(sched.scheduled_rows())
         prior = sched.dropped
         if rows is None:
-            sched = build_schedule(lengths, config, epoch=epoch, world_size=size)
+            sched = build_schedule(lengths, config, epoch=epoch, world_size=size, bounds=bounds)
             continue
         try:
             sched = build_schedule(lengths, config, epoch=epoch, world_size=size, rows=rows, bounds=bounds)
@@ -152,6 +154,16 @@ def plan_schedule(
         sched.dropped = _merge(prior, sched.dropped)
         replanned = True
     return sched
+
+
+def _edges(dataset: TokenDataset, config: ScheduleConfig, cache: ScheduleCache) -> tuple[int, ...]:
+    """The bucket edges of every schedule of ``dataset`` under ``config``, kept in ``cache`` once resolved.
+
+    Raises what ``bucket_edges`` raises: a config the dataset cannot be scheduled with.
+    """
+    return cache.edges(
+        (dataset.fingerprint, config.fingerprint()), lambda: bucket_edges(dataset.lengths, config)
+    )
 
 
 @dataclass(frozen=True)
@@ -217,8 +229,14 @@ class Job:
             sched = self.cache.get(key, lambda: self._plan(epoch), hot=hot)
         return sched
 
+    def edges(self) -> tuple[int, ...]:
+        """The bucket edges of every epoch of this job (resolved once for all the cache's jobs)."""
+        return _edges(self.dataset, self.config, self.cache)
+
     def _plan(self, epoch: int) -> Schedule:
-        sched = plan_schedule(self.dataset.lengths, self.config, epoch, self.world_size, self.plan)
+        sched = plan_schedule(
+            self.dataset.lengths, self.config, epoch, self.world_size, self.plan, self.edges()
+        )
         counts = sched.dropped.counts
         if counts:  # rows no rank will see this epoch: said where the operator looks, not only in the API
             lost = counts.get("remainder", 0)
@@ -270,9 +288,13 @@ class Job:
         )
 
     def batch(self, position: Position, rank: int) -> BatchRef:
+        """The batch of ``rank`` at ``position``; from the middle of an epoch on, the next epoch's
+        schedule is built (or being built) in the background, and at its start already, so no stream
+        waits for a build at the boundary: a stream that starts past the middle (a trainer resumed
+        there, or a restarted server) prepares it on its first batch."""
         sched = self.schedule(position.epoch, hot=True)
-        if position.step == 0 or position.step == sched.num_steps // 2:
-            self.warm(position.epoch + 1)
+        if position.step == 0 or position.step >= sched.num_steps // 2:
+            self.warm(position.epoch + 1)  # a look-up once it is kept
         rows, padded_len, bucket = sched.batch(position.step, rank)
         return BatchRef(
             epoch=position.epoch,
@@ -355,6 +377,11 @@ class JobRegistry:
         self._lock = threading.Lock()
         self.schedules = ScheduleCache(spare, most=max_schedules, per_client=schedules_per_client)
         self.aligned = AlignedStarts()
+
+    def edges(self) -> tuple[int, ...]:
+        """The bucket edges of this server's schedules, resolved once, with the config checked against the
+        dataset (``bucket_edges``): a server calls it at start-up so that a bad config fails there."""
+        return _edges(self.dataset, self.config, self.schedules)
 
     def attach(self, claim: Claim) -> RankLease:
         """Join ``claim``'s rank as a new trainer process and place it: the lease its stream holds.

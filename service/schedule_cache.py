@@ -44,6 +44,8 @@ HOT_SECONDS: Final = 60.0
 MAX_COLD_WAITING: Final = 2
 COLD_WAIT_S: Final = 20.0
 BUILD_WAIT_S: Final = 20.0
+# Bucket edges kept (ScheduleCache.edges): one per (dataset, config) that builds use, a few in practice.
+KEPT_EDGES: Final = 8
 
 # The client whose request builds schedules now (ScheduleCache.admitting): set around an Open or a
 # Describe, unset (None) for a stream's own builds, which are never refused.
@@ -166,6 +168,8 @@ class ScheduleCache:
         self._changed = threading.Condition(threading.Lock())
         self._swept = -math.inf  # when _evict last ran
         self._trimming = self._untrimmed = False
+        # (dataset fingerprint, config fingerprint) -> the bucket edges of every epoch's schedule
+        self._edges: OrderedDict[tuple[str, str], tuple[int, ...]] = OrderedDict()
 
     def set_limits(self, most: int, per_client: int | None = None) -> None:
         """The limits on claimed schedules: ``most`` for the server, ``per_client`` (default half)."""
@@ -182,6 +186,26 @@ class ScheduleCache:
             dropped = self._evict()
         self._trim(dropped)
         return len(self._items)
+
+    def edges(self, key: tuple[str, str], resolve: Callable[[], tuple[int, ...]]) -> tuple[int, ...]:
+        """The bucket edges under ``key`` (dataset and config fingerprints), ``resolve()``d once.
+
+        Every epoch and world size of one dataset and config shares them
+        (``schedule.bucket_edges``), so a build does not resolve ``auto``
+        edges again: seconds of a 10^8-row build. Two builds that ask at once
+        may both resolve them (the same edges); the last ``KEPT_EDGES`` keys are kept.
+        """
+        with self._changed:
+            kept = self._edges.get(key)
+            if kept is not None:
+                self._edges.move_to_end(key)
+                return kept
+        resolved = resolve()
+        with self._changed:
+            self._edges[key] = resolved
+            while len(self._edges) > KEPT_EDGES:
+                self._edges.popitem(last=False)
+        return resolved
 
     def has(self, key: tuple[str, int]) -> bool:
         with self._changed:

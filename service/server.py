@@ -185,10 +185,12 @@ class BatchServer:
         self._readiness = Readiness(dataset, self._store)
         registry = JobRegistry(dataset, self.config, self._store, spare=self.limits.spare_schedules)
         self.metrics.watch_ranks(functools.partial(read_standing, registry), self.metrics_ranks)
-        # Build epoch 0 now: a bad config fails at start-up, not on the first trainer.
-        from .schedule import build_schedule, cut_samples
+        # Check the config against the dataset now (a bad config fails at start-up, not on the first
+        # trainer), resolving the bucket edges every schedule uses: no schedule is built before a
+        # trainer asks for one, which at 10^8 rows takes seconds for each world size.
+        from .schedule import cut_samples
 
-        build_schedule(dataset.lengths, self.config, epoch=0, world_size=1)
+        registry.edges()
         cut = cut_samples(dataset.lengths, self.config)
         if cut:
             log.warning("dataset %s: %s", self.dataset_path, cut.sentence())

@@ -34,10 +34,14 @@ them with. Everything is vectorised numpy, with no Python loop per row.
 
 The folder is written by ``_writer.write_dataset`` (the layout of
 ``save_to_disk``, every byte once), one record batch generated while the
-previous one is written, so besides the per-row arrays (about 30 bytes a row)
-at most three batches (tens of MB) are in memory: about 150 MB in all for a
-million rows. The disk then bounds the time (about 30 s for the 10 GB of a
-million production rows at 350 MB/s).
+previous one is written, so besides the per-row arrays (20 bytes a row:
+lengths, window starts and prompt lengths as int32, the writer's int64
+offsets) at most three batches (tens of MB) are in memory: about 150 MB in
+all for a million rows. 10^8 rows of ``scale`` 1/1024 (2.5 GB on disk) took
+81 s with a peak RSS of 5.6 GB, 2.5 GB of it the written files' pages mapped
+when the result is opened (``benchmarks/bench_rows.py``). The disk then
+bounds the time (about 30 s for the 10 GB of a million production rows at
+350 MB/s).
 """
 
 from __future__ import annotations
@@ -61,7 +65,6 @@ __all__ = [
 ]
 
 I32 = npt.NDArray[np.int32]
-I64 = npt.NDArray[np.int64]
 
 # The mix is defined on the production max_seq_len and stretched for others.
 _REFERENCE_MAX_SEQ_LEN = 8192
@@ -199,27 +202,31 @@ def make_dataset(
         raise ConfigError("vocab_size", f"must be in [2, 2**31] for int32 tokens, got {vocab_size}")
     check_target(out)
     lengths = production_lengths(rows, seed, scale, max_seq_len)
-    offsets = np.zeros(rows + 1, dtype=np.int64)
-    np.cumsum(lengths, out=offsets[1:])
     row_rng = _rng(seed, _STREAM_ROWS)
-    starts = row_rng.integers(0, _POOL_TOKENS, size=rows, dtype=np.int64)
-    prompt = np.floor(row_rng.random(rows) * _PROMPT_MAX_FRACTION * lengths).astype(np.int64)
+    # kept as int32 (4 bytes a row each: 10^8 rows fit in a few GB); drawn as they always were
+    starts = row_rng.integers(0, _POOL_TOKENS, size=rows, dtype=np.int64).astype(np.int32)
+    fraction = row_rng.random(rows)
+    fraction *= _PROMPT_MAX_FRACTION
+    fraction *= lengths
+    prompt = np.floor(fraction, out=fraction).astype(np.int32)
+    del fraction
     pool_size = _POOL_TOKENS + int(lengths.max())
     pool = _rng(seed, _STREAM_TOKENS).integers(1, vocab_size, size=pool_size, dtype=np.int32)
 
     def rows_of(first: int, last: int) -> tuple[I32, npt.NDArray[np.int8]]:
-        return _rows(first, last, offsets, lengths, starts, prompt, pool)
+        return _rows(first, last, lengths, starts, prompt, pool)
 
     identity = f"{_FORMAT_TAG}:{rows}:{seed}:{scale!r}:{max_seq_len}:{vocab_size}:{with_seq_len}"
     return write_dataset(out, lengths, rows_of, identity=identity, with_seq_len=with_seq_len)
 
 
 def _rows(
-    first: int, last: int, offsets: I64, lengths: I32, starts: I64, prompt: I64, pool: I32
+    first: int, last: int, lengths: I32, starts: I32, prompt: I32, pool: I32
 ) -> tuple[I32, npt.NDArray[np.int8]]:
     """Tokens and loss mask of rows ``[first, last)``, built with whole-array numpy operations."""
-    local = offsets[first : last + 1] - offsets[first]
     count = lengths[first:last]
+    local = np.zeros(len(count) + 1, dtype=np.int64)
+    np.cumsum(count, dtype=np.int64, out=local[1:])
     n = int(local[-1])
     index_type = np.int32 if n + len(pool) < 2**31 else np.int64
     position = np.arange(n, dtype=index_type)

@@ -12,7 +12,15 @@ Nothing here imports network, store or web code.
 
 from .config import ALGORITHM_VERSION, PRODUCTION_BOUNDS, ScheduleConfig
 from .interleave import run_lower_bound
-from .schedule import Cut, Dropped, Schedule, build_schedule, cut_samples, resolve_bounds
+from .schedule import (
+    Cut,
+    Dropped,
+    Schedule,
+    bucket_edges,
+    build_schedule,
+    cut_samples,
+    resolve_bounds,
+)
 from .stats import (
     BucketRow,
     LossFigures,
@@ -34,6 +42,7 @@ __all__ = [
     "Quality",
     "Schedule",
     "ScheduleConfig",
+    "bucket_edges",
     "bucket_table",
     "build_schedule",
     "cut_samples",

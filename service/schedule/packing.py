@@ -25,7 +25,7 @@ from ..errors import ScheduleError
 from ._seeds import STAGE_BATCH_ORDER, STAGE_CHUNKS, STAGE_TIES, BitMixer, permutation
 from .config import ScheduleConfig
 
-__all__ = ["Packed", "pack"]
+__all__ = ["Packed", "check_keys", "pack"]
 
 I64 = npt.NDArray[np.int64]
 
@@ -119,6 +119,29 @@ def _sorted_keys(
     return key
 
 
+def check_keys(buckets: IntArray, num_buckets: int, config: ScheduleConfig) -> None:
+    """``ScheduleError`` unless rows of these bucket ids fit ``pack``'s 62-bit sort keys (any epoch)."""
+    _key_fields(buckets, num_buckets, config)
+
+
+def _key_fields(
+    buckets: IntArray, num_buckets: int, config: ScheduleConfig
+) -> tuple[npt.NDArray[np.uint64], tuple[int, int, int]]:
+    """Chunks per bucket, and the bits of the keys' tie, length class and chunk fields."""
+    n = len(buckets)
+    per_bucket = _bucket_counts(buckets, num_buckets)
+    chunks = np.maximum(1, -(-per_bucket // config.sort_chunk)).astype(np.uint64)
+    tie_bits = _bits(n - 1)
+    len_bits = _bits(-(-int(config.max_seq_len) // config.pad_to_multiple_of))
+    chunk_bits = _bits(int(chunks.max()))
+    if tie_bits + len_bits + chunk_bits + _bits(num_buckets) > 62:
+        raise ScheduleError(
+            f"{n} rows with max_seq_len {config.max_seq_len} and sort_chunk "
+            f"{config.sort_chunk} do not fit ladle's 62-bit sort keys; raise sort_chunk or split the dataset"
+        )
+    return chunks, (tie_bits, len_bits, chunk_bits)
+
+
 def pack(
     rows: IntArray | None,
     lengths: IntArray,
@@ -137,17 +160,8 @@ def pack(
     empty = np.empty(0, dtype=np.int64)
     if n == 0:
         return Packed(empty, empty, empty, empty, empty, empty)
-    per_bucket = _bucket_counts(buckets, num_buckets)
-    chunks = np.maximum(1, -(-per_bucket // config.sort_chunk)).astype(np.uint64)
+    chunks, (tie_bits, len_bits, chunk_bits) = _key_fields(buckets, num_buckets, config)
     pad = config.pad_to_multiple_of
-    tie_bits = _bits(n - 1)
-    len_bits = _bits(-(-int(config.max_seq_len) // pad))
-    chunk_bits = _bits(int(chunks.max()))
-    if tie_bits + len_bits + chunk_bits + _bits(num_buckets) > 62:
-        raise ScheduleError(
-            f"{n} rows with max_seq_len {config.max_seq_len} and sort_chunk "
-            f"{config.sort_chunk} do not fit ladle's 62-bit sort keys; raise sort_chunk or split the dataset"
-        )
     key = _sorted_keys(lengths, buckets, num_buckets, config, epoch, tie_bits, len_bits, chunk_bits, chunks)
 
     # Decode in blocks into compact arrays; the key array becomes the segment id.

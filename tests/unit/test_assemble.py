@@ -430,6 +430,50 @@ def test_sliced_chunks_and_different_chunkings() -> None:
         assert_matches(asm, ds, every[::-1], 5, pad_id=9)
 
 
+@pytest.mark.parametrize("compiled", [True, False])
+def test_a_frame_given_only_its_rows_chunks_is_the_same(
+    monkeypatch: pytest.MonkeyPatch, compiled: bool
+) -> None:
+    """Past ``_ALL_CHUNKS_MAX`` chunks the compiled frame gets only the chunks of the batch's rows."""
+    monkeypatch.setattr(assemble, "_ALL_CHUNKS_MAX", 0)
+    if not compiled:
+        monkeypatch.setattr(assemble, "_build", None)  # the checked path: plan, then frame
+    test_sliced_chunks_and_different_chunkings()
+    rng = np.random.default_rng(8)
+    rows = [rng.integers(0, 1000, size=int(rng.integers(1, 9))) for _ in range(40)]
+    table = pa.table(
+        {
+            "input_ids": chunked(rows, list(range(1, 40, 3)), pa.int32(), False, rng, sliced=True),
+            "loss_mask": chunked([np.ones(len(r)) for r in rows], [20], pa.int8(), False, rng, sliced=False),
+        }
+    )
+    ds = in_memory(table)
+    asm = Assembler(ds)
+    assert_matches(asm, ds, np.array([39, 0, 0, 17, 20, 19], dtype=np.int64), 12)  # any order, repeats
+    with pytest.raises(ValueError, match="40"):
+        asm.frame(np.array([3, 40], dtype=np.int64), 8, **FIELDS)
+
+
+def test_a_column_of_more_chunks_than_the_compiled_frame_takes() -> None:
+    """save_to_disk writes a record batch per 1,000 rows: 10^8 rows are 10^5 chunks, over its 65,536."""
+    count = 70_000
+    lengths = np.arange(count) % 5 + 1
+    offsets = pa.array(np.r_[0, np.cumsum(lengths)], type=pa.int32())
+    values = np.arange(int(lengths.sum()), dtype=np.int32)
+    ids = pa.ListArray.from_arrays(offsets, pa.array(values))
+    mask = pa.ListArray.from_arrays(offsets, pa.array((values % 2).astype(np.int8)))
+    table = pa.table(
+        {
+            "input_ids": pa.chunked_array([ids.slice(i, 1) for i in range(count)]),
+            "loss_mask": pa.chunked_array([mask.slice(i, 1) for i in range(count)]),
+        }
+    )
+    ds = in_memory(table)
+    asm = Assembler(ds)
+    assert len(asm._ids) == count
+    assert_matches(asm, ds, np.array([0, 1, 65_535, 65_536, 69_999], dtype=np.int64), 6)
+
+
 @given(
     seed=st.integers(0, 2**32 - 1),
     num_rows=st.integers(1, 60),

@@ -17,10 +17,10 @@ from ladle.service.store.base import Position
 
 
 def make_job(monkeypatch: pytest.MonkeyPatch, calls: list[int]) -> jobs.Job:
-    def slow_build(lengths: Any, config: ScheduleConfig, *, epoch: int, world_size: int) -> Any:
+    def slow_build(lengths: Any, config: ScheduleConfig, *, epoch: int, world_size: int, **kw: Any) -> Any:
         calls.append(epoch)
         time.sleep(0.2)
-        return build_schedule(lengths, config, epoch=epoch, world_size=world_size)
+        return build_schedule(lengths, config, epoch=epoch, world_size=world_size, **kw)
 
     monkeypatch.setattr(jobs, "build_schedule", slow_build)
     dataset = SimpleNamespace(lengths=np.arange(1, 400, dtype=np.int64) % 97 + 1, fingerprint="ds")
@@ -51,6 +51,22 @@ def test_the_next_epoch_is_prepared_ahead(monkeypatch: pytest.MonkeyPatch) -> No
     assert 1 in calls, "epoch 1 was not prepared while epoch 0 started"
     job.schedule(1)
     assert calls.count(1) == 1
+
+
+def test_a_stream_resumed_past_the_middle_prepares_the_next_epoch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A trainer resumed late in an epoch (or a restarted server) must not meet an unbuilt boundary."""
+    calls: list[int] = []
+    job = make_job(monkeypatch, calls)
+    last = job.steps(0) - 1
+    assert last > 2
+    job.batch(Position(0, last - 1), rank=0)  # the first batch of a stream resumed near the end
+    deadline = time.monotonic() + 10
+    while not job.has_schedule(1) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert job.has_schedule(1), "epoch 1 was not prepared before the stream reached the end of epoch 0"
+    job.batch(Position(0, last), rank=0)
+    job.batch(Position(1, 0), rank=0)
+    assert calls.count(1) == 1, "epoch 1 was built again at the boundary"
 
 
 def test_a_position_past_its_epochs_end_is_refused_not_carried_on(monkeypatch: pytest.MonkeyPatch) -> None:

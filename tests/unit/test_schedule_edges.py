@@ -6,7 +6,13 @@ import numpy as np
 import pytest
 
 from ladle.service.errors import ConfigError, OverlongSampleError, ScheduleError
-from ladle.service.schedule import PRODUCTION_BOUNDS, ScheduleConfig, build_schedule, cut_samples
+from ladle.service.schedule import (
+    PRODUCTION_BOUNDS,
+    ScheduleConfig,
+    bucket_edges,
+    build_schedule,
+    cut_samples,
+)
 from ladle.service.schedule.stats import batch_mates, quality
 
 
@@ -65,3 +71,38 @@ def test_a_config_that_cannot_pack_one_row_names_the_field(options: dict[str, in
     with pytest.raises(ConfigError) as info:
         ScheduleConfig.from_mapping(options)
     assert info.value.field == "token_budget", info.value
+
+
+@pytest.mark.parametrize(
+    ("overlong", "bounds"),
+    [("truncate", "auto"), ("drop", "auto"), ("truncate", "0,300,900,2001"), ("drop", "0,300,2001")],
+)
+def test_edges_resolved_once_give_every_epoch_the_schedule_it_builds_alone(
+    overlong: str, bounds: str
+) -> None:
+    """A server resolves ``bucket_edges`` once and builds every epoch and world size with them."""
+    rng = np.random.default_rng(4)
+    lengths = rng.integers(1, 2600, size=30_000).astype(np.int32)
+    config = ScheduleConfig.from_mapping({"max_seq_len": 2000, "overlong": overlong, "bucket_bounds": bounds})
+    edges = bucket_edges(lengths, config)
+    for epoch, world_size in ((0, 1), (3, 8)):
+        alone = build_schedule(lengths, config, epoch=epoch, world_size=world_size)
+        given = build_schedule(lengths, config, epoch=epoch, world_size=world_size, bounds=edges)
+        assert given.bounds == alone.bounds == edges
+        assert given.content_hash() == alone.content_hash(), "the edges given change the schedule"
+
+
+def test_edges_refuse_what_a_build_refuses() -> None:
+    lengths = np.array([10, 3000, 20], dtype=np.int32)
+    with pytest.raises(OverlongSampleError):
+        bucket_edges(lengths, ScheduleConfig.from_mapping({"max_seq_len": 2000, "overlong": "error"}))
+    with pytest.raises(ScheduleError, match="every sample was dropped"):
+        bucket_edges(np.full(3, 3000), ScheduleConfig.from_mapping({"max_seq_len": 2000, "overlong": "drop"}))
+    many = np.arange(2**18) % 7 + 1  # a chunk a row and 25-bit lengths: more than 62-bit sort keys hold
+    tight = ScheduleConfig.from_mapping(
+        {"max_seq_len": 2**24, "token_budget": 2**24, "sort_chunk": 1, "bucket_bounds": "0,2,16777217"}
+    )
+    with pytest.raises(ScheduleError, match="62-bit sort keys"):
+        build_schedule(many, tight)
+    with pytest.raises(ScheduleError, match="62-bit sort keys"):
+        bucket_edges(many, tight)
