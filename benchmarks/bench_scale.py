@@ -97,7 +97,9 @@ class ScaleSettings:
 
 
 QUICK = ScaleSettings()
-FULL = ScaleSettings(ranks=(64, 1000), replicas=(1, 2, 4), step_ms=1000.0, steps_per_epoch=8, workers=8)
+FULL = ScaleSettings(
+    ranks=(64, 1000), replicas=(1, 2, 4), step_ms=1000.0, steps_per_epoch=6, workers=4, client="lean"
+)
 
 
 # ---------------------------------------------------------------- the ranks (worker processes)

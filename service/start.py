@@ -73,12 +73,13 @@ class HotPositions:
     """
 
     job: Job
-    _normalised: dict[Position, Position] = field(default_factory=dict)
+    _normalised: dict[tuple[int, int], Position] = field(default_factory=dict)
 
     def normalise(self, position: Position) -> Position:
-        known = self._normalised.get(position)
+        key = (position.epoch, position.step)  # a tuple of ints hashes in C, a dataclass in Python
+        known = self._normalised.get(key)
         if known is None:
-            known = self._normalised[position] = self.job.normalise(position, hot=True)
+            known = self._normalised[key] = self.job.normalise(position, hot=True)
         return known
 
     def steps(self, epoch: int) -> int:

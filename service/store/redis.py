@@ -498,18 +498,23 @@ class _Record:
 
     def ranks(self, world_size: int) -> tuple[RankState, ...]:
         stored = _fields(self.ranks_flat)
-        if len(stored) != world_size or any(str(rank) not in stored for rank in range(world_size)):
+        names = [str(rank) for rank in range(world_size)]
+        if len(stored) != world_size or not stored.keys() >= set(names):
             wanted = {str(rank) for rank in range(world_size)}
             missing = sorted(wanted - stored.keys(), key=int)
             others = sorted(stored.keys() - wanted)
             what = f"lacks rank(s) {', '.join(missing[:5])}" if missing else f"holds fields {others[:5]}"
             raise self.corrupt("ranks", f"{what}, for world_size {world_size}", key=1)
-        return tuple(self._rank(rank, stored[str(rank)]) for rank in range(world_size))
+        seen: dict[tuple[str, str], Position] = {}  # a thousand ranks stand at a few positions
+        return tuple([self._rank(rank, stored[name], seen) for rank, name in enumerate(names)])
 
-    def _rank(self, rank: int, value: str) -> RankState:
+    def _rank(self, rank: int, value: str, seen: dict[tuple[str, str], Position]) -> RankState:
         try:
             epoch, step, generation, last_seen = value.split(",")
-            return RankState(rank, Position(int(epoch), int(step)), int(generation), float(last_seen))
+            position = seen.get((epoch, step))
+            if position is None:
+                position = seen[epoch, step] = Position(int(epoch), int(step))
+            return RankState(rank, position, int(generation), float(last_seen))
         except ValueError:
             detail = f"holds rank {rank} as {shown_value(value)}, not epoch,step,generation,last_seen"
             raise self.corrupt(str(rank), detail, key=1) from None
