@@ -151,20 +151,31 @@ async def _lean_rank(
     from ladle.proto import ladle_pb2 as pb
 
     step_s = settings.step_ms / 1000
+    stream = channel.stream_stream(rpc.STREAM_METHOD, request_serializer=pb.StreamRequest.SerializeToString)
+    opening = pb.Open(job=JOB, rank=rank, world_size=world, prefetch=2, client_id=f"lean-{rank}")
     try:
-        call = channel.stream_stream(
-            rpc.STREAM_METHOD, request_serializer=pb.StreamRequest.SerializeToString
-        )()
-        opening = pb.Open(job=JOB, rank=rank, world_size=world, prefetch=2, client_id=f"lean-{rank}")
-        await call.write(pb.StreamRequest(open=opening))
-        record["made"] = time.monotonic() - go
+        while True:  # as BatchClient: a call the server did not take up (CANCELLED, UNAVAILABLE) is retried
+            call = stream()
+            await call.write(pb.StreamRequest(open=opening))
+            record["made"] = time.monotonic() - go
+            try:
+                frame = await call.read()
+                break
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() not in (grpc.StatusCode.CANCELLED, grpc.StatusCode.UNAVAILABLE):
+                    raise
+                record["retries"] = record.get("retries", 0) + 1
+                if time.monotonic() - go > settings.timeout_s:
+                    raise
+                await asyncio.sleep(0.05)
         ended, due = 0, 0.0
         while ended < settings.epochs:
             asked = time.monotonic()
-            frame = await call.read()
+            if frame is None:
+                frame = await call.read()
             if frame is grpc.aio.EOF:
                 raise RuntimeError(f"the stream ended after {ended} epochs: {await call.code()}")
-            item = codec.decode_frame(frame)
+            item, frame = codec.decode_frame(frame), None
             if isinstance(item, codec.DecodedEpochEnd):
                 ended += 1
                 continue
@@ -445,6 +456,7 @@ def run_case(
         "max_lag_steps": _lag(records),
         "first_batch_all_s": round(max(firsts), 2),
         "first_batch_median_s": round(float(np.median(firsts)), 2),
+        "opens_retried": sum(1 for rec in records.values() if rec.get("retries")),
         "clients_made_all_s": round(max(rec["made"] for rec in records.values()), 2),
         "next_wait_p50_ms": round(float(np.percentile(waits, 50)) * 1000, 2),
         "next_wait_max_ms": round(float(waits.max()) * 1000, 1),
