@@ -27,10 +27,19 @@ Faults (``--fault``): ``kill-replica`` SIGKILLs replica 1 part-way through
 holds), ``slow-redis`` blocks Redis with ``DEBUG SLEEP`` for a few seconds
 part-way through (the streams go on, the writes wait, nothing is lost).
 
+The ranks (``--client``): ``batchclient`` (the quick form and the faults)
+runs a ``BatchClient`` per rank on a thread; ``lean`` (the full form) runs
+each rank as an asyncio task that speaks the same protocol as BatchClient
+(Open, then an Ack with one credit a batch, a retried Open when the server
+did not take the call up) on a connection of its own. A waiting
+``BatchClient`` costs about 1 ms of CPU a second (grpcio's synchronous
+iterator wakes its reader every 100 ms), nothing to a trainer process but a
+core for 1,000 of them on one machine, so the 1,000-rank rows use lean ranks.
+
 On this 2-core development machine the replicas, Redis and every simulated
 trainer share the same two cores, so the pace sets the load: 1,000 ranks at
-1 s a step ask for 1,000 batches/s, about half of what the machine serves and
-reads in all. The ranks' own CPU (about 300 us a batch) is on the same cores.
+1 s a step ask for 1,000 batches/s, more than the machine serves and reads
+in all; the batches/s column says what it did.
 
 Run: ``python -m benchmarks.bench_scale`` (quick: 8 and 64 ranks on 1 and 2
 replicas) or ``--full`` (64 and 1,000 ranks on 1, 2 and 4 replicas); ``--ranks``,
