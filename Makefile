@@ -69,7 +69,7 @@ typecheck: setup
 TEST_WORKERS ?= 2
 
 unit: setup redis-server chromium
-	$(BIN)/python -m pytest -n $(TEST_WORKERS)
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --durations=15
 
 # The references made from the code: docs/cli.md checked current, every flag the pages cite in a
 # `ladle` command checked to exist, and the API reference (pdoc, warnings as errors) in build/docs/api.

@@ -41,7 +41,7 @@ trainer share the same two cores, so the pace sets the load: 1,000 ranks at
 1 s a step ask for 1,000 batches/s, more than the machine serves and reads
 in all; the batches/s column says what it did.
 
-Run: ``python -m benchmarks.bench_scale`` (quick: 8 and 64 ranks on 1 and 2
+Run: ``python -m benchmarks.bench_scale`` (quick: 8 and 32 ranks on 2
 replicas) or ``--full`` (64 and 1,000 ranks on 1, 2 and 4 replicas); ``--ranks``,
 ``--replicas``, ``--step-ms``, ``--fault`` choose one case. Results are JSON on
 stdout and a table on stderr. Every process started here is stopped in a
@@ -91,8 +91,8 @@ ROWS_PER_RANK_STEP = 10  # rows a rank's batch holds, about, at this config on t
 class ScaleSettings:
     """One matrix of runs: every ``ranks`` on every ``replicas``."""
 
-    ranks: tuple[int, ...] = (8, 64)
-    replicas: tuple[int, ...] = (1, 2)
+    ranks: tuple[int, ...] = (8, 32)
+    replicas: tuple[int, ...] = (2,)
     step_ms: float = 200.0
     steps_per_epoch: int = 6  # about: the dataset is sized for it at each rank count
     epochs: int = 2

@@ -26,6 +26,7 @@ from benchmarks import (
     bench_roundtrips,
     bench_rows,
     bench_sampler,
+    bench_scale,
     bench_schedule,
     bench_serving,
     bench_shards,
@@ -54,6 +55,7 @@ def main(argv: list[str]) -> int:
         "client_lifetime": bench_client_lifetime.main(full),
         "sampler": bench_sampler.main(50_000 if full else 20_000),
         "rows": bench_rows.run(10**8, boundary_rows=10**7) if full else bench_rows.run(10**6),
+        "scale": bench_scale.main(["--full"] if full else []),
     }
     if full:  # the transport comparison behind the frame layout (about 7 minutes)
         results["wire"] = bench_wire.main([])
@@ -113,6 +115,8 @@ def main(argv: list[str]) -> int:
     for line in bench_sampler.summary(results["sampler"]):
         print(line, file=sys.stderr)
     for line in bench_rows.summary(results["rows"]):
+        print(line, file=sys.stderr)
+    for line in bench_scale.summary(results["scale"]):
         print(line, file=sys.stderr)
     return 0
 

@@ -311,7 +311,7 @@ def test_bad_redis_settings_fail_at_start_up(
 
 
 def test_store_wait_rides_out_a_redis_that_starts_after_the_server(
-    redis_server_factory: Callable[..., Any], server_factory: Factory
+    redis_server_factory: Callable[..., Any], server_factory: Factory, tmp_path: Path
 ) -> None:
     """Redis and ladle applied together (Kubernetes): ladle waited for nothing and exited 2."""
     redis = redis_server_factory(appendonly=True)
@@ -327,7 +327,13 @@ def test_store_wait_rides_out_a_redis_that_starts_after_the_server(
 
     thread = threading.Thread(target=serve, daemon=True)
     thread.start()
-    time.sleep(3.0)
+    log = tmp_path / "server.log"  # the factory's servers log there
+    deadline = time.monotonic() + 60  # a loaded machine takes seconds to start Python and import
+    while "waiting for it (up to" not in (log.read_text(errors="replace") if log.exists() else ""):
+        assert not failed, f"the server did not wait for Redis: {failed[0]!r}"
+        assert time.monotonic() < deadline, "the server never said it waits for Redis"
+        time.sleep(0.1)
+    time.sleep(1.0)  # and it goes on waiting
     try:
         assert not failed, f"the server did not wait for Redis: {failed[0]!r}"
         assert not started, "the server was ready without its cursor store"
