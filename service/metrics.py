@@ -12,7 +12,10 @@ own thread-safe metrics. Where each rank of a job stands is read from the
 cursor store when scraped, one read per job this server streams to: every
 rank counts in the job's summary series, and only the ``rank_series`` ranks
 that need attention first get series of their own, so a thousand-rank job
-adds a bounded number of series.
+adds a bounded number of series. The served counters and the prefetch depth
+have series of their own for ranks below ``rank_series`` (a fixed set, so a
+counter never moves between series); a job's other ranks add up in one
+series labelled ``rank="rest"``.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ __all__ = [
     "CONTENT_TYPE",
     "METER_LINGER_S",
     "METRIC_NAMES",
+    "REST",
     "UNSEEN_OVER_S",
     "LoopHistogram",
     "ServerMetrics",
@@ -137,6 +141,24 @@ class StreamMeter:
         self._assembly.observe(assembly_s)
 
 
+class _Retired:
+    """The counts of a job's dropped meters that its ``rank="rest"`` series still carries."""
+
+    __slots__ = ("batches", "bytes", "padded_tokens", "tokens")
+
+    def __init__(self) -> None:
+        self.batches = self.tokens = self.padded_tokens = self.bytes = 0
+
+    def add(self, meter: StreamMeter) -> None:
+        self.batches += meter.batches
+        self.tokens += meter.tokens
+        self.padded_tokens += meter.padded_tokens
+        self.bytes += meter.bytes
+
+
+# the rank label of the one series that adds up a job's ranks past ``rank_series`` (served counters, depth)
+REST: Final = "rest"
+
 _COUNTERS: Final = (
     ("ladle_batches_served", "Batches sent to trainers", "batches"),
     ("ladle_tokens_served", "Real (unpadded) tokens in the batches sent", "tokens"),
@@ -153,11 +175,19 @@ class _Served(Collector):
 
     def collect(self) -> Iterable[Metric]:
         m = self._metrics
+        own = m.rank_series
         meters = list(m.meters.items())
+        retired = dict(m.retired)
         for name, documentation, attribute in _COUNTERS:
             family = CounterMetricFamily(name, documentation, labels=["job", "rank"])
+            rest = {job: getattr(sums, attribute) for job, sums in retired.items()}
             for (job, rank), meter in meters:
-                family.add_metric([job, str(rank)], getattr(meter, attribute))
+                if rank < own:
+                    family.add_metric([job, str(rank)], getattr(meter, attribute))
+                else:
+                    rest[job] = rest.get(job, 0) + getattr(meter, attribute)
+            for job, total in sorted(rest.items()):
+                family.add_metric([job, REST], total)
             yield family
         yield m.assembly_seconds.family(
             "ladle_batch_assembly_seconds", "Time to gather, pad and encode one batch frame"
@@ -172,9 +202,15 @@ class _Served(Collector):
             labels=["job", "rank"],
         )
         count = 0
+        rest_depth: dict[str, int] = {}
         for job, rank, in_flight in m.depths():
-            depth.add_metric([job, str(rank)], in_flight)
+            if rank < own:
+                depth.add_metric([job, str(rank)], in_flight)
+            else:
+                rest_depth[job] = rest_depth.get(job, 0) + in_flight
             count += 1
+        for job, in_flight in sorted(rest_depth.items()):
+            depth.add_metric([job, REST], in_flight)
         yield depth
         yield GaugeMetricFamily("ladle_streams_open", "Trainer streams open on this server", value=count)
         limit = GaugeMetricFamily(
@@ -284,6 +320,8 @@ class ServerMetrics:
     ) -> None:
         self.registry = CollectorRegistry()
         self.meters: dict[tuple[str, int], StreamMeter] = {}
+        # per job, what the dropped meters of ranks without series of their own had counted
+        self.retired: dict[str, _Retired] = {}
         self.meter_linger_s = meter_linger_s
         self._clock = clock
         self.assembly_seconds = LoopHistogram(_FAST)
@@ -363,6 +401,12 @@ class ServerMetrics:
         for key, meter in list(self.meters.items()):
             if meter.streams <= 0 and meter.idle_since < cutoff:
                 del self.meters[key]
+                job, rank = key
+                if rank >= self.rank_series:  # kept in the job's "rest" series: counters never fall
+                    self.retired.setdefault(job, _Retired()).add(meter)
+        metered = {job for job, _ in self.meters}
+        for job in [job for job in self.retired if job not in metered]:
+            del self.retired[job]  # the job's last meter is gone: so are its series
 
     def error(self, face: str, code: str) -> None:
         self.errors.labels(face, code).inc()
@@ -387,6 +431,8 @@ class ServerMetrics:
         ranks a job get series of their own (``attention``'s first: not seen
         for longest, then furthest behind, the ones shown last time before
         others alike), so a stalled rank always shows and healthy ones do not churn.
+        The served counters and the prefetch depth of the ranks from ``rank_series``
+        up add up in one series a job, ``rank="rest"``.
         """
         if rank_series < 0:
             raise ValueError(f"rank_series must be >= 0, got {rank_series}")

@@ -47,8 +47,8 @@ def add_parser(sub: Subparsers) -> argparse.ArgumentParser:
         default=RANK_SERIES,
         metavar="N",
         help="/metrics gives at most N ranks of a job series of their own (those not seen for longest, "
-        "then furthest behind); every rank counts in the job's own series "
-        f"(0: only those; default: {RANK_SERIES})",
+        "then furthest behind; ranks 0..N-1 for the served counters, the others adding up in "
+        f'rank="rest"); every rank counts in the job\'s own series (0: only those; default: {RANK_SERIES})',
     )
     store = serve.add_mutually_exclusive_group()
     store.add_argument(

@@ -18,11 +18,12 @@ import yaml
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
+from ladle.service.errors import StoreUnavailableError
 from ladle.service.http import create_app
 from ladle.service.http import inspector as insp
 from ladle.service.http.page import RIBBON_RANKS, TABLE_RANKS
 from ladle.service.metrics import METRIC_NAMES, UNSEEN_OVER_S, ServerMetrics
-from ladle.service.standing import read_standing
+from ladle.service.standing import JobStanding, read_standing
 from ladle.service.store import Position
 from tests.contract.store_contract import ManualClock
 
@@ -231,3 +232,48 @@ def test_the_page_of_a_thousand_ranks_draws_a_bounded_ribbon_and_lists_the_ranks
     assert "the 64 of 1000 ranks to look at first" in html
     assert "are at most 0 steps behind" in html
     assert len(html) < 600_000, f"the page of 1000 ranks is {len(html)} bytes"
+
+
+def test_served_counters_and_depth_have_series_for_the_first_ranks_and_one_for_the_rest() -> None:
+    """With ``rank_series`` 2, ranks 0 and 1 of a 6-rank job have served series of their own and ranks
+    2-5 add up in ``rank="rest"``; a rest rank whose meter is dropped stays counted (the counter never
+    falls), and the series go with the job's last meter."""
+    now = [0.0]
+    metrics = ServerMetrics(meter_linger_s=10.0, clock=lambda: now[0])
+    metrics.watch_ranks(_store_away, 2)  # the standing series are other tests' business
+    meters = {rank: metrics.stream("a", rank) for rank in range(6)}
+    for rank, meter in meters.items():
+        for _ in range(rank + 1):  # rank r is served r + 1 batches of 10 tokens
+            meter.batch(10, 16, 100, 0.001)
+    metrics.watch_streams(lambda: [("a", rank, rank % 3) for rank in meters])
+
+    samples = scrape(metrics)
+    served = per_label(samples, "ladle_batches_served_total", "a")
+    assert served == {"0": 1, "1": 2, "rest": 3 + 4 + 5 + 6}
+    assert per_label(samples, "ladle_tokens_served_total", "a") == {"0": 10, "1": 20, "rest": 180}
+    assert per_label(samples, "ladle_stream_prefetch_depth", "a") == {"0": 0, "1": 1, "rest": 2 + 0 + 1 + 2}
+
+    metrics.ended(meters[3])
+    now[0] = 20.0
+    metrics.stream("a", 0)  # any new stream drops the meters idle past the linger
+    assert ("a", 3) not in metrics.meters
+    assert per_label(scrape(metrics), "ladle_batches_served_total", "a")["rest"] == 18, "a counter fell"
+
+    for rank in (0, 1, 2, 4, 5):  # rank 3 ended above
+        metrics.ended(meters[rank])
+    metrics.ended(meters[0])  # the second stream of rank 0
+    now[0] = 40.0
+    metrics.stream("b", 0)
+    assert per_label(scrape(metrics), "ladle_batches_served_total", "a") == {}
+    assert metrics.retired == {}
+
+
+def _store_away(job: str) -> JobStanding:
+    raise StoreUnavailableError(f"no store here (job {job})")
+
+
+def per_label(samples: Samples, name: str, job: str) -> dict[str, float]:
+    """``{rank label: value}`` of the series ``name`` of ``job``."""
+    return {
+        dict(labels)["rank"]: v for (n, labels), v in samples.items() if n == name and ("job", job) in labels
+    }
