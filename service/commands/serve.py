@@ -182,7 +182,7 @@ def add_limit_options(parser: argparse.ArgumentParser) -> None:
         default=d.spare_schedules,
         metavar="N",
         help=f"schedules kept beyond those streams use (and their next epochs): an idle job's, an "
-        f"inspected epoch's; each holds about 10 bytes a row, so lower it for huge datasets "
+        f"inspected epoch's; each holds about 6 bytes a row, so lower it for huge datasets "
         f"(default: {d.spare_schedules})",
     )
     group.add_argument(
@@ -192,7 +192,7 @@ def add_limit_options(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help=f"schedules no stream uses that Opens and Describes had built in the last minute (new world "
         f"sizes or start epochs), builds in progress included; an Open that needs one more is refused "
-        f"with RESOURCE_EXHAUSTED. Each holds about 10 bytes a row (default: {d.max_schedules})",
+        f"with RESOURCE_EXHAUSTED. Each holds about 6 bytes a row (default: {d.max_schedules})",
     )
     group.add_argument(
         "--max-schedules-per-client",

@@ -25,7 +25,7 @@ from ..errors import ScheduleError
 from ._seeds import STAGE_BATCH_ORDER, STAGE_CHUNKS, STAGE_TIES, BitMixer, permutation
 from .config import ScheduleConfig
 
-__all__ = ["Packed", "check_keys", "pack"]
+__all__ = ["Packed", "check_keys", "pack", "padded_lengths"]
 
 I64 = npt.NDArray[np.int64]
 
@@ -33,7 +33,7 @@ I64 = npt.NDArray[np.int64]
 IntArray = npt.NDArray[np.integer]
 
 # Rows are processed in blocks of this many, so every temporary is small and
-# only the 64-bit sort keys and the sorted rows and lengths span the dataset.
+# only the 64-bit sort keys and the sorted rows span the dataset.
 BLOCK = 1 << 20
 
 
@@ -43,12 +43,16 @@ class Packed:
 
     Inside a batch, rows are in ascending order of padded length, so the last
     one has the batch's padded length (rows of one padded length are in a
-    random order). ``rows`` and ``lengths`` are int32 below 2**31 rows (int64 above);
-    the per-batch arrays are int64.
+    random order). Batches are disjoint and in ascending order of ``start``.
+    ``rows`` are int32 below 2**31 rows (int64 above); the per-batch arrays
+    are int64. A row's cut length is not stored but read from ``source``, the
+    uncut lengths by row id the batches were packed from (the dataset's own
+    array, shared): ``min(source[row], max_seq_len)``, see ``lengths``.
     """
 
     rows: IntArray
-    lengths: IntArray
+    source: IntArray
+    max_seq_len: int
     start: I64
     size: I64
     bucket: I64
@@ -57,6 +61,32 @@ class Packed:
     @property
     def num_batches(self) -> int:
         return len(self.start)
+
+    def lengths(self, at: slice | IntArray = slice(None)) -> IntArray:
+        """Cut lengths of ``rows[at]``, in the same order (gathered from ``source`` on each call)."""
+        out: IntArray = np.minimum(self.source[self.rows[at]], self.max_seq_len)
+        return out
+
+    def per_batch(self, ufunc: np.ufunc) -> I64:
+        """``ufunc`` reduced over each batch's cut lengths (``np.add``: its real tokens), int64.
+
+        Gathers a block of rows' lengths at a time, so no array of every row's
+        length is made.
+        """
+        out = np.empty(self.num_batches, dtype=np.int64)
+        end = self.start + self.size
+        first = 0
+        while first < self.num_batches:
+            a = int(self.start[first])
+            last = max(first + 1, int(np.searchsorted(self.start, a + BLOCK, side="left")))
+            b = int(end[last - 1])
+            values = np.r_[self.lengths(slice(a, b)).astype(np.int64), 0]  # a sentinel: the end is an edge
+            edges = np.empty(2 * (last - first), dtype=np.int64)
+            edges[0::2] = self.start[first:last] - a
+            edges[1::2] = end[first:last] - a
+            out[first:last] = ufunc.reduceat(values, edges)[0::2]
+            first = last
+        return out
 
 
 def _bits(n: int) -> int:
@@ -132,7 +162,7 @@ def _key_fields(
     per_bucket = _bucket_counts(buckets, num_buckets)
     chunks = np.maximum(1, -(-per_bucket // config.sort_chunk)).astype(np.uint64)
     tie_bits = _bits(n - 1)
-    len_bits = _bits(-(-int(config.max_seq_len) // config.pad_to_multiple_of))
+    len_bits = _bits(_max_class(config))
     chunk_bits = _bits(int(chunks.max()))
     if tie_bits + len_bits + chunk_bits + _bits(num_buckets) > 62:
         raise ScheduleError(
@@ -150,27 +180,34 @@ def pack(
     config: ScheduleConfig,
     epoch: int,
     num_rows_total: int,
+    *,
+    source: IntArray | None = None,
 ) -> Packed:
     """Pack the samples into batches for ``epoch``.
 
     ``lengths`` are the cut lengths and ``buckets`` the bucket ids of the
     samples; ``rows`` their row indices (``None``: all rows, ``0..n-1``).
+    ``source`` holds the uncut lengths by row id, so that ``lengths[i] ==
+    min(source[rows[i]], config.max_seq_len)``; the result keeps it, not
+    ``lengths``. It defaults to ``lengths`` when ``rows`` is ``None``.
     """
+    if source is None:
+        if rows is not None:
+            raise ValueError("pack: rows given without the source lengths they index")
+        source = lengths
     n = len(lengths)
     empty = np.empty(0, dtype=np.int64)
     if n == 0:
-        return Packed(empty, empty, empty, empty, empty, empty)
+        return Packed(empty, source, config.max_seq_len, empty, empty, empty, empty)
     chunks, (tie_bits, len_bits, chunk_bits) = _key_fields(buckets, num_buckets, config)
-    pad = config.pad_to_multiple_of
     key = _sorted_keys(lengths, buckets, num_buckets, config, epoch, tie_bits, len_bits, chunk_bits, chunks)
 
-    # Decode in blocks into compact arrays; the key array becomes the segment id.
+    # Decode the rows in blocks; the key keeps its segment and length class.
     row_dtype = np.int32 if num_rows_total < 2**31 else np.int64
     rows_sorted: IntArray = np.empty(n, dtype=row_dtype)
-    lengths_sorted = np.empty(n, dtype=np.int32)
     tie_mask = np.int64((1 << tie_bits) - 1)
-    len_mask = np.int64((1 << len_bits) - 1)
     ties = BitMixer(tie_bits, config.seed, epoch, STAGE_TIES)
+    seg_starts = [np.zeros(1, dtype=np.int64)]
     for a, b in _blocks(n):
         part = key[a:b]
         position = np.bitwise_and(part, tie_mask).view(np.uint64)
@@ -181,31 +218,31 @@ def pack(
         else:
             rows_sorted[a:b] = rows[index]
         part >>= tie_bits
-        if pad == 1:
-            np.bitwise_and(part, len_mask, out=lengths_sorted[a:b], casting="unsafe")
-        else:
-            lengths_sorted[a:b] = lengths[index]
-        part >>= len_bits
-    segment = key
+        segment = key[max(a - 1, 0) : b] >> len_bits  # one row back: a segment may start at a
+        seg_starts.append(np.flatnonzero(segment[1:] != segment[:-1]) + (max(a - 1, 0) + 1))
+    del segment
 
     # A batch starting at s in a sorted segment ends after the last j with
     # j + 1 - cap[j] <= s; that quantity rises strictly within a segment, so
     # adding a per-segment offset makes it searchable with one sorted array.
-    seg_start = np.r_[0, np.flatnonzero(segment[1:] != segment[:-1]) + 1]
+    seg_start = np.concatenate(seg_starts)
     seg_end = np.r_[seg_start[1:], n]
-    seg_raw = segment[seg_start]  # a copy: the key array is reused below
+    seg_raw = key[seg_start] >> len_bits  # a copy: the key array is reused below
     seg_bucket = seg_raw >> chunk_bits
     pad = config.pad_to_multiple_of
-    every = np.arange(config.max_seq_len + 1, dtype=np.int64)
-    padded_of = -(-every // pad) * pad
-    cap_of = np.minimum(config.max_batch_size, config.token_budget // np.maximum(padded_of, 1))
+    # a row's cap depends on its padded length only, which its length class gives
+    padded_of_class = np.arange(_max_class(config) + 1, dtype=np.int64) * pad
+    cap_of_class = np.minimum(config.max_batch_size, config.token_budget // np.maximum(padded_of_class, 1))
+    len_mask = np.int64((1 << len_bits) - 1)
     big = n + config.max_batch_size + 2
     reach = key  # reused in place: segment id * big + j + 1 - cap[j]
     for a, b in _blocks(n):
         part = reach[a:b]
+        length_class = np.bitwise_and(part, len_mask)
+        part >>= len_bits
         part *= big
         part += np.arange(a + 1, b + 1, dtype=np.int64)
-        part -= np.take(cap_of, lengths_sorted[a:b])
+        part -= np.take(cap_of_class, length_class)
     starts = []
     pointer = seg_start
     end = seg_end
@@ -216,12 +253,23 @@ def pack(
         np.minimum(nxt, end, out=nxt)
         alive = nxt < end
         pointer, end, seg_ids = nxt[alive], end[alive], seg_ids[alive]
-    del reach, key, segment
+    del reach, key
     start = np.sort(np.concatenate(starts))
     size = np.diff(np.r_[start, n])
     last = start + size - 1
     bucket = seg_bucket[np.searchsorted(seg_start, start, side="right") - 1]
-    return Packed(rows_sorted, lengths_sorted, start, size, bucket, padded_of[lengths_sorted[last]])
+    padded = padded_lengths(np.minimum(source[rows_sorted[last]], config.max_seq_len), pad)
+    return Packed(rows_sorted, source, config.max_seq_len, start, size, bucket, padded)
+
+
+def _max_class(config: ScheduleConfig) -> int:
+    return -(-int(config.max_seq_len) // config.pad_to_multiple_of)
+
+
+def padded_lengths(lengths: IntArray, pad: int) -> I64:
+    """``lengths`` rounded up to a multiple of ``pad``, int64."""
+    out: I64 = -(-lengths.astype(np.int64) // pad) * pad
+    return out
 
 
 def batch_order(packed: Packed, num_buckets: int, config: ScheduleConfig, epoch: int) -> list[I64]:

@@ -10,10 +10,12 @@ reports their rows with the reason ``"remainder"``.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import numpy.typing as npt
 
-from .packing import Packed
+from .packing import Packed, padded_lengths
 
 __all__ = ["fit_to_world"]
 
@@ -74,9 +76,9 @@ def fit_to_world(
     order = np.argsort(start, kind="stable")
     start, size = start[order], size[order]
     last = start + size - 1
-    padded = -(-packed.lengths[last].astype(np.int64) // pad) * pad
+    padded = padded_lengths(packed.lengths(last), pad)
     # a (possibly halved) slice keeps the bucket of the batch it came from
     origin = np.searchsorted(packed.start, start, side="right") - 1
-    fitted = Packed(packed.rows, packed.lengths, start, size, packed.bucket[origin], padded)
+    fitted = replace(packed, start=start, size=size, bucket=packed.bucket[origin], padded_len=padded)
     dropped_rows = np.sort(np.concatenate(dropped)).astype(np.int64) if dropped else np.empty(0, np.int64)
     return fitted, dropped_rows

@@ -164,11 +164,8 @@ class Schedule:
 
     def lengths(self, step: int, rank: int) -> I64:
         """Cut lengths of ``samples(step, rank)``, in the same order."""
-        b = self._batch(step, rank)
-        start = int(self._packed.start[b])
-        rows = self._packed.rows[start : start + int(self._packed.size[b])]
-        order = np.argsort(rows)
-        out: I64 = self._packed.lengths[start : start + int(self._packed.size[b])][order].astype(np.int64)
+        rows = self.samples(step, rank)
+        out: I64 = np.minimum(self._packed.source[rows], self.config.max_seq_len).astype(np.int64)
         return out
 
     def padded_len(self, step: int, rank: int) -> int:
@@ -188,10 +185,7 @@ class Schedule:
 
     def batch_real_tokens(self) -> I64:
         """Real (unpadded, cut) tokens per batch, ``[num_steps, world_size]``."""
-        cum = np.r_[0, np.cumsum(self._packed.lengths, dtype=np.int64)]
-        start = self._packed.start
-        totals = cum[start + self._packed.size] - cum[start]
-        out: I64 = totals[self.batch_ids]
+        out: I64 = self._packed.per_batch(np.add)[self.batch_ids]
         return out
 
     def scheduled_rows(self) -> I64:
@@ -231,7 +225,7 @@ class Schedule:
     ) -> Schedule:
         """An epoch with no step (the rest of an epoch too small to give every rank a batch)."""
         none = np.empty(0, dtype=np.int64)
-        packed = Packed(none, none, none, none, none, none)
+        packed = Packed(none, none, config.max_seq_len, none, none, none, none)
         return cls(
             config=config,
             epoch=epoch,
@@ -397,7 +391,7 @@ def build_schedule(
         bounds = _edges(cut, config)
     num_buckets = len(bounds) - 1
     bucket_ids = assign_buckets(cut, bounds)
-    packed = pack(subset, cut, bucket_ids, num_buckets, config, epoch, num_rows)
+    packed = pack(subset, cut, bucket_ids, num_buckets, config, epoch, num_rows, source=lens)
     candidates = len(cut)
     del cut
     del bucket_ids

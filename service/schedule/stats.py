@@ -131,15 +131,7 @@ def _batch_max_len(sched: Schedule) -> I64:
     Not simply a batch's last row: rows of one padded length are in a random
     order, so under ``pad_to_multiple_of`` the last may be shorter than another.
     """
-    packed = sched._packed
-    if packed.num_batches == 0:
-        return np.zeros(sched.batch_ids.shape, dtype=np.int64)
-    edges = np.empty(2 * packed.num_batches, dtype=np.int64)
-    edges[0::2] = packed.start
-    edges[1::2] = packed.start + packed.size
-    values = np.r_[packed.lengths, 0]  # a sentinel, so an edge at the end is a valid index
-    longest = np.maximum.reduceat(values, edges)[0::2].astype(np.int64)
-    out: I64 = longest[sched.batch_ids]
+    out: I64 = sched._packed.per_batch(np.maximum)[sched.batch_ids]
     return out
 
 
@@ -404,7 +396,7 @@ def batch_mates(sched: Schedule, next_epoch: Schedule | None = None) -> BatchMat
     at = np.repeat(start - np.r_[0, np.cumsum(size)[:-1]], size) + np.arange(int(size.sum()))
     pad = sched.config.pad_to_multiple_of
     classes = np.repeat(packed.bucket[chosen], size) * (sched.config.max_seq_len + 1) + (
-        -(-packed.lengths[at].astype(np.int64) // pad)
+        -(-packed.lengths(at).astype(np.int64) // pad)
     )
     nxt = next_epoch._packed
     nids = _scheduled(next_epoch)

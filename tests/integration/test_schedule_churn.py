@@ -28,7 +28,7 @@ from .conftest import ServerProcess
 
 Factory = Callable[..., ServerProcess]
 
-# A schedule of this dataset holds about 1 MB (10 bytes a row); the server keeps at most 16 that
+# A schedule of this dataset holds about 0.6 MB (6 bytes a row); the server keeps at most 16 that
 # Opens built and no stream uses, 4 spare ones, and those streams are on (one here). Before the limit
 # the loops below had it build about 300 (2 for each Open): RssAnon grew by 300 MB and more.
 ROWS = 100_000

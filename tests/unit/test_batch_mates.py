@@ -103,6 +103,7 @@ def neighbour_schedule(num_rows: int, rows_per_batch: int, epoch: int) -> Schedu
     packed = Packed(
         rows,
         np.full(num_rows, 200, dtype=np.int32),
+        CONFIG.max_seq_len,
         start,
         size,
         np.zeros(len(start), dtype=np.int64),

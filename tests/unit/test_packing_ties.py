@@ -79,7 +79,7 @@ def test_rows_are_sorted_by_padded_length_inside_a_chunk(
         for rank in range(world):
             rows = sched.samples(step, rank)
             longest = int(cut[rows].max())
-            assert sched.padded_len(step, rank) == -(-longest // pad) * pad, "a batch padded past its rows"
+            assert sched.padded_len(step, rank) == -(-longest // pad) * pad, "wrong padded length"
 
 
 def _row_order_share(lengths: np.ndarray, config: ScheduleConfig, epoch: int) -> float:
@@ -117,7 +117,9 @@ def test_a_subset_of_rows_is_read_back_from_the_keys() -> None:
     )
     rows = np.flatnonzero(np.arange(5000) % 3 != 0)
     packed = packing.pack(
-        rows, lengths[rows], assign_buckets(lengths[rows], (0, 100, 301)), 2, config, 3, 5000
+        rows, lengths[rows], assign_buckets(lengths[rows], (0, 100, 301)), 2, config, 3, 5000, source=lengths
     )
     assert sorted(packed.rows.tolist()) == rows.tolist(), "missing or duplicate samples"
-    assert (packed.lengths == lengths[packed.rows]).all(), "a row got another row's length"
+    assert (packed.lengths() == lengths[packed.rows]).all(), "a row got another row's length"
+    last = packed.start + packed.size - 1
+    assert (packed.padded_len == -(-lengths[packed.rows[last]] // 4) * 4).all(), "wrong padded length"
