@@ -395,22 +395,25 @@ static inline int64_t offset_at(const Py_buffer *offsets, Py_ssize_t i) {
     return offsets->itemsize == 4 ? (int64_t)((const int32_t *)offsets->buf)[i] : ((const int64_t *)offsets->buf)[i];
 }
 
-/* The dataset's tables as `plan` and `build` take them, checked to agree: the rows' range, and for
-   the ids and the mask, each chunk's first row (int64, ascending) and list offsets (its rows + 1
-   entries, int32 or int64: the dataset's own buffers, read from the mapping). */
+/* The dataset's tables as `plan` and `build` take them, checked to agree: the rows' range; for the
+   ids and the mask, each chunk's first row and token shift (int64; first rows ascending); and the
+   ids' chunks' list offsets (its rows + 1 entries, int32 or int64: the dataset's own buffers, read
+   from the mapping). */
 typedef struct {
     Py_ssize_t num_rows;
-    Py_buffer ids_first, mask_first;
-    PyObject *ids_list, *mask_list;
-    Py_buffer *ids_off, *mask_off;
-    Py_ssize_t n_ids_off, n_mask_off;
+    Py_buffer ids_first, ids_shift, mask_first, mask_shift;
+    PyObject *ids_list;
+    Py_buffer *ids_off;
+    Py_ssize_t n_ids_off;
 } Tables;
 
 static void release_tables(Tables *t) {
     PyBuffer_Release(&t->ids_first);
+    PyBuffer_Release(&t->ids_shift);
     PyBuffer_Release(&t->mask_first);
-    release_chunks(t->ids_off, t->n_ids_off, t->mask_off, t->n_mask_off);
-    t->ids_off = t->mask_off = NULL;
+    PyBuffer_Release(&t->mask_shift);
+    release_chunks(t->ids_off, t->n_ids_off, NULL, 0);
+    t->ids_off = NULL;
 }
 
 static int offsets_usable(const Py_buffer *offsets, Py_ssize_t n) {
@@ -424,9 +427,9 @@ static int offsets_usable(const Py_buffer *offsets, Py_ssize_t n) {
 /* Take the offsets lists' buffers; 0 if the tables agree, else -1 with ValueError (or TypeError). */
 static int take_tables(Tables *t, const char *caller) {
     if (take_all(t->ids_list, &t->ids_off, &t->n_ids_off, "ids_offsets") < 0) return -1;
-    if (take_all(t->mask_list, &t->mask_off, &t->n_mask_off, "mask_offsets") < 0) return -1;
-    if (t->num_rows < 1 || t->ids_first.len != t->n_ids_off * 8 || t->mask_first.len != t->n_mask_off * 8 ||
-        !offsets_usable(t->ids_off, t->n_ids_off) || !offsets_usable(t->mask_off, t->n_mask_off)) {
+    if (t->num_rows < 1 || t->ids_first.len != t->n_ids_off * 8 || t->ids_shift.len != t->ids_first.len ||
+        t->mask_first.len < 8 || t->mask_first.len % 8 || t->mask_shift.len != t->mask_first.len ||
+        !offsets_usable(t->ids_off, t->n_ids_off)) {
         PyErr_Format(PyExc_ValueError, "%s: the row, offset and chunk arrays do not agree", caller);
         return -1;
     }
@@ -435,7 +438,7 @@ static int take_tables(Tables *t, const char *caller) {
 
 /*
  * Each row's length cut to `limit`, the chunks of its tokens and mask and where they start (its
- * chunks' list offsets), and the int32 lengths, into `out` (n * PLAN_ROW bytes); the sum of the
+ * ids chunk's list offsets; its mask as many tokens into the mask column), and the int32 lengths, into `out` (n * PLAN_ROW bytes); the sum of the
  * cut lengths, or -1 with ValueError naming the first row outside [0, num_rows).
  */
 static long long plan_rows(const int64_t *r, Py_ssize_t n, Py_ssize_t limit, const Tables *t, char *out) {
@@ -449,26 +452,35 @@ static long long plan_rows(const int64_t *r, Py_ssize_t n, Py_ssize_t limit, con
                      (long long)(low < 0 ? low : high), t->num_rows);
         return -1;
     }
-    const int64_t *idf = t->ids_first.buf, *mf = t->mask_first.buf;
+    const int64_t *idf = t->ids_first.buf, *ids_shift = t->ids_shift.buf, *mf = t->mask_first.buf,
+                  *mask_shift = t->mask_shift.buf;
+    Py_ssize_t n_mask = t->mask_first.len / 8;
     int64_t *cut = (int64_t *)out, *ic = cut + n, *mc = ic + n, *ia = mc + n, *ma = ia + n;
     int32_t *lens = (int32_t *)(ma + n);
-    long long real = 0;
+    /* each row's chunks first, asking for its offsets as they are found: the rows' misses in the
+       mapped offsets (4 KiB pages, a TLB miss each) overlap instead of coming one after another */
     for (Py_ssize_t i = 0; i < n; i++) {
-        Py_ssize_t c = chunk_of(idf, t->n_ids_off, r[i]), cm = chunk_of(mf, t->n_mask_off, r[i]);
-        const Py_buffer *ids = &t->ids_off[c], *mask = &t->mask_off[cm];
-        int64_t at = r[i] - idf[c], mask_row = r[i] - mf[cm];
+        Py_ssize_t c = chunk_of(idf, t->n_ids_off, r[i]);
+        const Py_buffer *ids = &t->ids_off[c];
+        int64_t at = r[i] - idf[c];
         /* the row's entries must lie in its chunk's offsets (the tables given are a batch's chunks) */
-        if (at < 0 || at + 1 >= ids->len / ids->itemsize || mask_row < 0 || mask_row + 1 >= mask->len / mask->itemsize) {
+        if (at < 0 || at + 1 >= ids->len / ids->itemsize) {
             PyErr_Format(PyExc_ValueError, "plan: row %lld lies outside the offsets of the chunks given",
                          (long long)r[i]);
             return -1;
         }
+        PREFETCH((const char *)ids->buf + at * ids->itemsize);
+        ic[i] = c;
+        mc[i] = chunk_of(mf, n_mask, r[i]);
+    }
+    long long real = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        const Py_buffer *ids = &t->ids_off[ic[i]];
+        int64_t at = r[i] - idf[ic[i]];
         int64_t start = offset_at(ids, at), len = offset_at(ids, at + 1) - start;
         cut[i] = len < limit ? len : limit;
-        ic[i] = c;
-        mc[i] = cm;
         ia[i] = start;
-        ma[i] = offset_at(mask, mask_row);
+        ma[i] = start - ids_shift[ic[i]] + mask_shift[mc[i]];
         lens[i] = (int32_t)cut[i];
         real += cut[i];
     }
@@ -491,25 +503,26 @@ static long long plan_with(const Tables *t, const int64_t *rows, Py_ssize_t n, P
 }
 
 /*
- * plan(rows, limit, num_rows, ids_first, mask_first, ids_offsets, mask_offsets) -> (bytes, real_tokens)
+ * plan(rows, limit, num_rows, ids_first, ids_shift, mask_first, mask_shift, ids_offsets) -> (bytes, real_tokens)
  *
  * What `frame` needs to know of each row, in one pass and without a numpy
  * call: five int64 arrays (each row's length cut to `limit`, at most the
  * batch's width, the chunks of
  * its tokens and mask, and where they start in those chunks' values) and the
  * int32 lengths, laid end to end, and the sum of the cut lengths. A row's
- * start and length are its chunk's list offsets (`ids_offsets` and
- * `mask_offsets`: lists of int32 or int64 arrays, one a chunk, beside the
- * chunks' first rows). Every row must lie in [0, num_rows): the first one
- * outside is named.
+ * start and length are its ids chunk's list offsets (`ids_offsets`: a list
+ * of int32 or int64 buffers, one a chunk, beside the chunks' first rows);
+ * a row starting t tokens into a column starts at t + shift[c] in chunk c's
+ * values, so its mask is found from its ids' start. Every row must lie in
+ * [0, num_rows): the first one outside is named.
  */
 static PyObject *plan(PyObject *self, PyObject *args) {
     Py_buffer rows = {0};
     Tables t = {0};
     Py_ssize_t limit;
     PyObject *out = NULL, *result = NULL;
-    if (!PyArg_ParseTuple(args, "y*nny*y*OO", &rows, &limit, &t.num_rows, &t.ids_first, &t.mask_first,
-                          &t.ids_list, &t.mask_list))
+    if (!PyArg_ParseTuple(args, "y*nny*y*y*y*O", &rows, &limit, &t.num_rows, &t.ids_first, &t.ids_shift,
+                          &t.mask_first, &t.mask_shift, &t.ids_list))
         return NULL;
     Py_ssize_t n = rows.len / 8;
     if (n < 1 || rows.len != n * 8 || limit < 1) {
@@ -658,8 +671,9 @@ static int take_rows(PyObject *obj, Py_buffer *view) {
 }
 
 /*
- * build(epoch, step, rank, bucket, fingerprint, rows, width, limit, pad, num_rows, ids_first, mask_first,
- *       ids_offsets, mask_offsets, ids_chunks, mask_chunks[, ids_kind, mask_kind]) -> (frame, real_tokens, rows)
+ * build(epoch, step, rank, bucket, fingerprint, rows, width, limit, pad, num_rows, ids_first, ids_shift,
+ *       mask_first, mask_shift, ids_offsets, ids_chunks, mask_chunks[, ids_kind, mask_kind])
+ *       -> (frame, real_tokens, rows)
  *
  * `plan`, codec.batch_frame_head and `frame` in one call: the whole batch frame of `rows` (a 1-D
  * int64 array) with no Python in between; the tables are `plan`'s. Rows are cut to `limit` (>= 1; one above `width` is
@@ -676,9 +690,9 @@ static PyObject *build(PyObject *self, PyObject *args) {
     Tables t = {0};
     const char *ids_text = "i4", *mask_text = "i1";
     Kind ids_kind, mask_kind;
-    if (!PyArg_ParseTuple(args, "OOOOUOOOOny*y*OOOO|ss", &epoch_o, &step_o, &rank_o, &bucket_o, &fp_o,
-                          &rows_o, &width_o, &limit_o, &pad_o, &t.num_rows, &t.ids_first, &t.mask_first,
-                          &t.ids_list, &t.mask_list, &ids_list, &mask_list, &ids_text, &mask_text))
+    if (!PyArg_ParseTuple(args, "OOOOUOOOOny*y*y*y*OOO|ss", &epoch_o, &step_o, &rank_o, &bucket_o, &fp_o,
+                          &rows_o, &width_o, &limit_o, &pad_o, &t.num_rows, &t.ids_first, &t.ids_shift,
+                          &t.mask_first, &t.mask_shift, &t.ids_list, &ids_list, &mask_list, &ids_text, &mask_text))
         return NULL;
     if (parse_kind(ids_text, &ids_kind, 0) < 0 || parse_kind(mask_text, &mask_kind, 1) < 0) {
         release_tables(&t);
@@ -745,11 +759,12 @@ static PyMethodDef methods[] = {
      "frame(head, gap, samples, lengths, ids_chunks, mask_chunks, ids_chunk, mask_chunk, ids_at, mask_at, "
      "cut, width, pad) -> bytes: a batch frame joined from the dataset's buffers"},
     {"plan", plan, METH_VARARGS,
-     "plan(rows, limit, num_rows, ids_first, mask_first, ids_offsets, mask_offsets) -> (bytes, real_tokens): "
+     "plan(rows, limit, num_rows, ids_first, ids_shift, mask_first, mask_shift, ids_offsets) -> (bytes, "
+     "real_tokens): "
      "each row's cut length, chunks and starts (five int64 arrays) and the int32 lengths, end to end"},
     {"build", build, METH_VARARGS,
-     "build(epoch, step, rank, bucket, fingerprint, rows, width, limit, pad, num_rows, ids_first, mask_first, "
-     "ids_offsets, mask_offsets, ids_chunks, mask_chunks) -> (frame, real_tokens, rows): plan, header and "
+     "build(epoch, step, rank, bucket, fingerprint, rows, width, limit, pad, num_rows, ids_first, ids_shift, "
+     "mask_first, mask_shift, ids_offsets, ids_chunks, mask_chunks) -> (frame, real_tokens, rows): plan, header and "
      "frame in one call"},
     {NULL, NULL, 0, NULL},
 };

@@ -71,9 +71,9 @@ _ALL_CHUNKS_MAX = 256
 # Per row of a batch: chunk of input_ids, chunk of loss_mask, their start in
 # those chunks' values, and the row's length cut to max_len (at most padded_len).
 _Plan = Iterator[tuple[int, int, int, int, int]]
-# What the compiled plan reads of the dataset: its rows, then each column's chunks' first rows and
-# list offsets (int32 or int64 views of the dataset's own buffers), ids' then mask's.
-_Tables = tuple[int, I64, I64, list[npt.NDArray[np.integer]], list[npt.NDArray[np.integer]]]
+# What the compiled plan reads of the dataset: its rows, the first rows and token shifts of the ids'
+# chunks and of the mask's, and the ids' chunks' list offsets (views of the dataset's own buffers).
+_Tables = tuple[int, I64, I64, I64, I64, list[memoryview]]
 
 
 _INT32 = (-(2**31), 2**31 - 1, "int32 (the wire's token ids)")
@@ -263,37 +263,44 @@ def _list_chunks(table: Any, name: str, num_rows: int) -> list[Any]:
 
 def _chunk_views(
     name: str, chunks: list[Any], lengths: npt.NDArray[np.integer]
-) -> tuple[list[npt.NDArray[np.integer]], I64, list[npt.NDArray[np.integer]]]:
-    """Zero-copy values and list offsets of each chunk, and the first row of each.
+) -> tuple[list[npt.NDArray[np.integer]], I64, list[memoryview], I64]:
+    """Zero-copy values and list offsets of each chunk, the first row of each, and its token shift.
 
     Row ``r`` of chunk ``c`` is ``values[c][offsets[c][i] : offsets[c][i + 1]]``
     with ``i = r - first_rows[c]``: a chunk's ``values`` child is whole
     (unsliced) and a sliced chunk's offsets point into it. Both are views of
     the dataset's buffers (int32 offsets for ``list<>``, int64 for
-    ``large_list<>``): nothing a row is copied. ``DatasetError`` when a
-    chunk's token count is not what ``lengths`` says of its rows.
+    ``large_list<>``; the offsets as memoryviews, which the compiled frame
+    takes at a third of an array's cost): nothing a row is copied. A row
+    that starts ``t`` tokens into the column starts at ``t + shift[c]`` in
+    its chunk's values, so another column chunked otherwise finds the same
+    row from one start and two shifts. ``DatasetError`` when a chunk's token
+    count is not what ``lengths`` says of its rows.
     """
     values: list[npt.NDArray[np.integer]] = []
-    offsets: list[npt.NDArray[np.integer]] = []
+    offsets: list[memoryview] = []
     first_rows = np.empty(len(chunks), dtype=np.int64)
-    row = 0
+    shift = np.empty(len(chunks), dtype=np.int64)
+    row = tokens_before = 0
     for c, chunk in enumerate(chunks):
         try:
             values.append(chunk.values.to_numpy(zero_copy_only=True))
-            offsets.append(chunk.offsets.to_numpy(zero_copy_only=True))
+            offsets.append(memoryview(chunk.offsets.to_numpy(zero_copy_only=True)))
         except pa.ArrowException as exc:  # nulls: open_dataset refuses them
             raise DatasetError(f"column {name!r}: no zero-copy view of its values: {exc}") from exc
-        tokens = int(offsets[c][-1]) - int(offsets[c][0])
+        first, last = offsets[c][0], offsets[c][-1]
         # a sum with a dtype casts a block at a time: no int64 copy of the lengths
         expected = int(lengths[row : row + len(chunk)].sum(dtype=np.int64))
-        if tokens != expected:
+        if last - first != expected:
             raise DatasetError(
-                f"column {name!r}: rows {row}..{row + len(chunk) - 1} hold {tokens} tokens, "
+                f"column {name!r}: rows {row}..{row + len(chunk) - 1} hold {last - first} tokens, "
                 f"but the dataset's lengths say {expected} (open it with open_dataset)"
             )
         first_rows[c] = row
+        shift[c] = first - tokens_before
         row += len(chunk)
-    return values, first_rows, offsets
+        tokens_before += expected
+    return values, first_rows, offsets, shift
 
 
 class Assembler:
@@ -330,22 +337,24 @@ class Assembler:
         ids_chunks = _list_chunks(table, columns.input_ids, self.num_rows)
         mask_name = columns.mask if columns.mask is not None else columns.input_ids
         mask_chunks = _list_chunks(table, mask_name, self.num_rows)
-        # each column's own chunk offsets, read where they are (the mapping): a row costs no heap
-        self._ids, self._ids_first_rows, self._ids_offsets = _chunk_views(
+        # a row's start and length are read in the ids' chunk offsets, where they are (the mapping):
+        # a row costs no heap. Its mask starts as many tokens into the mask column (open_dataset
+        # checks the two agree row by row): the ids' start and the two chunks' shifts give it,
+        # whatever the mask's chunking, without a second read a row.
+        self._ids, self._ids_first_rows, self._ids_offsets, self._ids_shift = _chunk_views(
             columns.input_ids, ids_chunks, dataset.lengths
         )
         # a uint8 mask is converted and checked like any other type: a weight of 200 is not sent as -56
         if mask_name == columns.input_ids:  # no mask column: the ids' views, not a second set
-            self._mask, self._mask_first_rows, self._mask_offsets = (
-                self._ids,
-                self._ids_first_rows,
-                self._ids_offsets,
-            )
+            self._mask, self._mask_first_rows = self._ids, self._ids_first_rows
+            self._mask_shift = self._ids_shift
         else:
-            self._mask, self._mask_first_rows, self._mask_offsets = _chunk_views(
+            self._mask, self._mask_first_rows, _, self._mask_shift = _chunk_views(
                 mask_name, mask_chunks, dataset.lengths
             )
         self._same_chunks = np.array_equal(self._ids_first_rows, self._mask_first_rows)
+        # the mask's chunk tables are the ids' (chunked alike, unsliced): a batch picks them once
+        self._same_tables = self._same_chunks and np.array_equal(self._ids_shift, self._mask_shift)
         # past _ALL_CHUNKS_MAX chunks: the first row of each chunk after the first (row r is in chunk
         # searchsorted(ends, r, "right")), for the ids and the mask (the same array when chunked alike)
         self._chunk_ends: tuple[I64, I64] | None = None
@@ -365,13 +374,14 @@ class Assembler:
         )
         self._ids_bytes = [_byte_view(v) for v in self._ids]
         # what the compiled plan reads of each row: the rows' range, each column's chunks' first rows
-        # and list offsets (the frame reads a row's start and length in its chunk's own offsets)
+        # and shifts, and the ids' chunks' list offsets (a row's start and length)
         self._tables: _Tables = (
             self.num_rows,
             self._ids_first_rows,
+            self._ids_shift,
             self._mask_first_rows,
+            self._mask_shift,
             self._ids_offsets,
-            self._mask_offsets,
         )
         self._mask_bytes = [_byte_view(m) for m in self._mask]
         # what the compiled one-call frame reads: each column's chunks of one integer type ("i4" ids and
@@ -564,7 +574,7 @@ class Assembler:
         All of them, or past ``_ALL_CHUNKS_MAX`` chunks only the chunk of
         each row (sorted, repeats kept: the frame finds a row's chunk by
         binary search over the first rows given, and a repeat is the same
-        chunk), with their first rows and list offsets. A row outside the
+        chunk), with their first rows, shifts and list offsets. A row outside the
         dataset gets the first or last chunk and is refused by the frame's
         check of the rows' range.
         """
@@ -580,12 +590,17 @@ class Assembler:
             mask.sort()
         picks = ids.tolist()
         mask_picks = picks if mask is ids else mask.tolist()
+        ids_first, ids_shift = self._ids_first_rows[ids], self._ids_shift[ids]
+        mask_first, mask_shift = ids_first, ids_shift
+        if not self._same_tables:
+            mask_first, mask_shift = self._mask_first_rows[mask], self._mask_shift[mask]
         tables = (
             self.num_rows,
-            self._ids_first_rows[ids],
-            self._mask_first_rows[mask],
+            ids_first,
+            ids_shift,
+            mask_first,
+            mask_shift,
             list(map(self._ids_offsets.__getitem__, picks)),
-            list(map(self._mask_offsets.__getitem__, mask_picks)),
         )
         return (
             tables,
@@ -661,8 +676,9 @@ class Assembler:
     def _where(self, rows: I64, limit: int) -> tuple[I64, I64, I64, I64, I64]:
         """Each row's length cut to ``limit``, the chunks of its tokens and mask, where they start (int64).
 
-        A row's start and end are read in its chunk's own list offsets (a
-        loop over the batch's rows: each may lie in another chunk's buffer).
+        A row's start and end are read in its ids chunk's list offsets (a
+        loop over the batch's rows: each may lie in another chunk's buffer);
+        its mask starts as many tokens into the mask column.
         """
         if len(self._ids) == 1:
             ids_chunk = np.zeros(len(rows), dtype=np.int64)
@@ -675,11 +691,7 @@ class Assembler:
         ids_local = rows - self._ids_first_rows[ids_chunk]
         ids_at = _offsets_at(self._ids_offsets, ids_chunk, ids_local)
         cut = np.minimum(_offsets_at(self._ids_offsets, ids_chunk, ids_local + 1) - ids_at, limit)
-        if self._mask_offsets is self._ids_offsets:  # no mask column: the ids' own
-            mask_at = ids_at
-        else:
-            mask_local = rows - self._mask_first_rows[mask_chunk]
-            mask_at = _offsets_at(self._mask_offsets, mask_chunk, mask_local)
+        mask_at = ids_at - self._ids_shift[ids_chunk] + self._mask_shift[mask_chunk]
         return cut, ids_chunk, mask_chunk, ids_at, mask_at
 
     def _pads(self, pad: int, width: int) -> tuple[memoryview, memoryview]:
@@ -698,7 +710,7 @@ class Assembler:
         return ids, self._pad_mask
 
 
-def _offsets_at(offsets: list[npt.NDArray[np.integer]], chunks: I64, entries: I64) -> I64:
+def _offsets_at(offsets: list[memoryview], chunks: I64, entries: I64) -> I64:
     """Entry ``entries[k]`` of chunk ``chunks[k]``'s list offsets, for each ``k`` (int64)."""
     picked = zip(chunks.tolist(), entries.tolist(), strict=True)
     return np.fromiter((offsets[c][i] for c, i in picked), np.int64, len(chunks))
