@@ -261,6 +261,18 @@ def _list_chunks(table: Any, name: str, num_rows: int) -> list[Any]:
     return [chunk for chunk in column.chunks if len(chunk)]
 
 
+def _offsets_view(chunk: Any) -> memoryview:
+    """A list chunk's own slice of its offsets buffer (int32 or int64), without a copy.
+
+    A view of the buffer, not of ``chunk.offsets``: that keeps an Arrow
+    array object alive a chunk, twice the memory at 10^5 chunks.
+    """
+    dtype = np.int64 if pa.types.is_large_list(chunk.type) else np.int32
+    buffer = chunk.buffers()[1]
+    size = np.dtype(dtype).itemsize
+    return np.frombuffer(buffer, dtype=dtype, count=len(chunk) + 1, offset=chunk.offset * size).data
+
+
 def _chunk_views(
     name: str, chunks: list[Any], lengths: npt.NDArray[np.integer]
 ) -> tuple[list[npt.NDArray[np.integer]], I64, list[memoryview], I64]:
@@ -285,7 +297,7 @@ def _chunk_views(
     for c, chunk in enumerate(chunks):
         try:
             values.append(chunk.values.to_numpy(zero_copy_only=True))
-            offsets.append(memoryview(chunk.offsets.to_numpy(zero_copy_only=True)))
+            offsets.append(_offsets_view(chunk))
         except pa.ArrowException as exc:  # nulls: open_dataset refuses them
             raise DatasetError(f"column {name!r}: no zero-copy view of its values: {exc}") from exc
         first, last = offsets[c][0], offsets[c][-1]
