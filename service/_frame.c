@@ -390,56 +390,101 @@ static Py_ssize_t chunk_of(const int64_t *first, Py_ssize_t n, int64_t row) {
 /* The plan's arrays of a batch of `n` rows, laid end to end in one buffer of n * PLAN_ROW bytes. */
 #define PLAN_ROW (5 * 8 + 4)
 
+/* Entry i of a chunk's list offsets: int32 (list<>) or int64 (large_list<>), as its buffer's itemsize says. */
+static inline int64_t offset_at(const Py_buffer *offsets, Py_ssize_t i) {
+    return offsets->itemsize == 4 ? (int64_t)((const int32_t *)offsets->buf)[i] : ((const int64_t *)offsets->buf)[i];
+}
+
+/* The dataset's tables as `plan` and `build` take them, checked to agree: the rows' range; for the
+   ids and the mask, each chunk's first row and token shift (int64; first rows ascending); and the
+   ids' chunks' list offsets (its rows + 1 entries, int32 or int64: the dataset's own buffers, read
+   from the mapping). */
+typedef struct {
+    Py_ssize_t num_rows;
+    Py_buffer ids_first, ids_shift, mask_first, mask_shift;
+    PyObject *ids_list;
+    Py_buffer *ids_off;
+    Py_ssize_t n_ids_off;
+} Tables;
+
+static void release_tables(Tables *t) {
+    PyBuffer_Release(&t->ids_first);
+    PyBuffer_Release(&t->ids_shift);
+    PyBuffer_Release(&t->mask_first);
+    PyBuffer_Release(&t->mask_shift);
+    release_chunks(t->ids_off, t->n_ids_off, NULL, 0);
+    t->ids_off = NULL;
+}
+
+static int offsets_usable(const Py_buffer *offsets, Py_ssize_t n) {
+    for (Py_ssize_t c = 0; c < n; c++) {
+        Py_ssize_t size = offsets[c].itemsize;
+        if ((size != 4 && size != 8) || offsets[c].len % size || offsets[c].len / size < 2) return 0;
+    }
+    return 1;
+}
+
+/* Take the offsets lists' buffers; 0 if the tables agree, else -1 with ValueError (or TypeError). */
+static int take_tables(Tables *t, const char *caller) {
+    if (take_all(t->ids_list, &t->ids_off, &t->n_ids_off, "ids_offsets") < 0) return -1;
+    if (t->num_rows < 1 || t->ids_first.len != t->n_ids_off * 8 || t->ids_shift.len != t->ids_first.len ||
+        t->mask_first.len < 8 || t->mask_first.len % 8 || t->mask_shift.len != t->mask_first.len ||
+        !offsets_usable(t->ids_off, t->n_ids_off)) {
+        PyErr_Format(PyExc_ValueError, "%s: the row, offset and chunk arrays do not agree", caller);
+        return -1;
+    }
+    return 0;
+}
+
 /*
- * Each row's length cut to `limit`, the chunks of its tokens and mask and where they start, and
- * the int32 lengths, into `out` (n * PLAN_ROW bytes); the sum of the cut lengths, or -1 with
- * ValueError naming the first row outside [0, num_rows).
+ * Each row's length cut to `limit`, the chunks of its tokens and mask and where they start (its
+ * ids chunk's list offsets; its mask as many tokens into the mask column), and the int32 lengths, into `out` (n * PLAN_ROW bytes); the sum of the
+ * cut lengths, or -1 with ValueError naming the first row outside [0, num_rows).
  */
-static long long plan_rows(const int64_t *r, Py_ssize_t n, Py_ssize_t limit, const int64_t *off,
-                           Py_ssize_t num_rows, const int64_t *idf, Py_ssize_t n_ids, const int64_t *idd,
-                           const int64_t *mf, Py_ssize_t n_mask, const int64_t *md, char *out) {
+static long long plan_rows(const int64_t *r, Py_ssize_t n, Py_ssize_t limit, const Tables *t, char *out) {
     int64_t low = r[0], high = r[0];
     for (Py_ssize_t i = 1; i < n; i++) {
         if (r[i] < low) low = r[i];
         if (r[i] > high) high = r[i];
     }
-    if (low < 0 || high >= num_rows) {
+    if (low < 0 || high >= t->num_rows) {
         PyErr_Format(PyExc_ValueError, "row %lld is outside the dataset's rows [0, %zd)",
-                     (long long)(low < 0 ? low : high), num_rows);
+                     (long long)(low < 0 ? low : high), t->num_rows);
         return -1;
     }
+    const int64_t *idf = t->ids_first.buf, *ids_shift = t->ids_shift.buf, *mf = t->mask_first.buf,
+                  *mask_shift = t->mask_shift.buf;
+    Py_ssize_t n_mask = t->mask_first.len / 8;
     int64_t *cut = (int64_t *)out, *ic = cut + n, *mc = ic + n, *ia = mc + n, *ma = ia + n;
     int32_t *lens = (int32_t *)(ma + n);
+    /* each row's chunks first, asking for its offsets as they are found: the rows' misses in the
+       mapped offsets (4 KiB pages, a TLB miss each) overlap instead of coming one after another */
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Py_ssize_t c = chunk_of(idf, t->n_ids_off, r[i]);
+        const Py_buffer *ids = &t->ids_off[c];
+        int64_t at = r[i] - idf[c];
+        /* the row's entries must lie in its chunk's offsets (the tables given are a batch's chunks) */
+        if (at < 0 || at + 1 >= ids->len / ids->itemsize) {
+            PyErr_Format(PyExc_ValueError, "plan: row %lld lies outside the offsets of the chunks given",
+                         (long long)r[i]);
+            return -1;
+        }
+        PREFETCH((const char *)ids->buf + at * ids->itemsize);
+        ic[i] = c;
+        mc[i] = chunk_of(mf, n_mask, r[i]);
+    }
     long long real = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
-        int64_t start = off[r[i]], len = off[r[i] + 1] - start;
+        const Py_buffer *ids = &t->ids_off[ic[i]];
+        int64_t at = r[i] - idf[ic[i]];
+        int64_t start = offset_at(ids, at), len = offset_at(ids, at + 1) - start;
         cut[i] = len < limit ? len : limit;
-        ic[i] = chunk_of(idf, n_ids, r[i]);
-        mc[i] = chunk_of(mf, n_mask, r[i]);
-        ia[i] = start + idd[ic[i]];
-        ma[i] = start + md[mc[i]];
+        ia[i] = start;
+        ma[i] = start - ids_shift[ic[i]] + mask_shift[mc[i]];
         lens[i] = (int32_t)cut[i];
         real += cut[i];
     }
     return real;
-}
-
-/* The dataset's tables as `plan` and `build` take them, checked to agree. */
-typedef struct {
-    Py_buffer offsets, ids_first, ids_delta, mask_first, mask_delta;
-} Tables;
-
-static void release_tables(Tables *t) {
-    PyBuffer_Release(&t->offsets);
-    PyBuffer_Release(&t->ids_first);
-    PyBuffer_Release(&t->ids_delta);
-    PyBuffer_Release(&t->mask_first);
-    PyBuffer_Release(&t->mask_delta);
-}
-
-static int tables_agree(const Tables *t) {
-    return t->offsets.len / 8 - 1 >= 1 && t->ids_first.len / 8 >= 1 && t->mask_first.len / 8 >= 1 &&
-           t->ids_delta.len == t->ids_first.len && t->mask_delta.len == t->mask_first.len;
 }
 
 /* plan_rows over the tables (the offsets are read from the mapping: guarded); -1 with an error set. */
@@ -452,36 +497,39 @@ static long long plan_with(const Tables *t, const int64_t *rows, Py_ssize_t n, P
         return -1;
     }
     fault_jump = &jump;
-    long long real = plan_rows(rows, n, limit, t->offsets.buf, t->offsets.len / 8 - 1, t->ids_first.buf,
-                               t->ids_first.len / 8, t->ids_delta.buf, t->mask_first.buf,
-                               t->mask_first.len / 8, t->mask_delta.buf, out);
+    long long real = plan_rows(rows, n, limit, t, out);
     fault_jump = NULL;
     return real;
 }
 
 /*
- * plan(rows, limit, offsets, ids_first, ids_delta, mask_first, mask_delta) -> (bytes, real_tokens)
+ * plan(rows, limit, num_rows, ids_first, ids_shift, mask_first, mask_shift, ids_offsets) -> (bytes, real_tokens)
  *
  * What `frame` needs to know of each row, in one pass and without a numpy
  * call: five int64 arrays (each row's length cut to `limit`, at most the
  * batch's width, the chunks of
  * its tokens and mask, and where they start in those chunks' values) and the
- * int32 lengths, laid end to end, and the sum of the cut lengths. Every row
- * must lie in [0, len(offsets) - 1): the first one outside is named.
+ * int32 lengths, laid end to end, and the sum of the cut lengths. A row's
+ * start and length are its ids chunk's list offsets (`ids_offsets`: a list
+ * of int32 or int64 buffers, one a chunk, beside the chunks' first rows);
+ * a row starting t tokens into a column starts at t + shift[c] in chunk c's
+ * values, so its mask is found from its ids' start. Every row must lie in
+ * [0, num_rows): the first one outside is named.
  */
 static PyObject *plan(PyObject *self, PyObject *args) {
     Py_buffer rows = {0};
     Tables t = {0};
     Py_ssize_t limit;
     PyObject *out = NULL, *result = NULL;
-    if (!PyArg_ParseTuple(args, "y*ny*y*y*y*y*", &rows, &limit, &t.offsets, &t.ids_first, &t.ids_delta,
-                          &t.mask_first, &t.mask_delta))
+    if (!PyArg_ParseTuple(args, "y*nny*y*y*y*O", &rows, &limit, &t.num_rows, &t.ids_first, &t.ids_shift,
+                          &t.mask_first, &t.mask_shift, &t.ids_list))
         return NULL;
     Py_ssize_t n = rows.len / 8;
-    if (n < 1 || rows.len != n * 8 || limit < 1 || !tables_agree(&t)) {
+    if (n < 1 || rows.len != n * 8 || limit < 1) {
         PyErr_SetString(PyExc_ValueError, "plan: the row, offset and chunk arrays do not agree");
         goto done;
     }
+    if (take_tables(&t, "plan") < 0) goto done;
     out = PyBytes_FromStringAndSize(NULL, n * PLAN_ROW);
     if (!out) goto done;
     long long real = plan_with(&t, rows.buf, n, limit, PyBytes_AS_STRING(out));
@@ -623,11 +671,12 @@ static int take_rows(PyObject *obj, Py_buffer *view) {
 }
 
 /*
- * build(epoch, step, rank, bucket, fingerprint, rows, width, limit, pad, offsets, ids_first, ids_delta,
- *       mask_first, mask_delta, ids_chunks, mask_chunks[, ids_kind, mask_kind]) -> (frame, real_tokens, rows)
+ * build(epoch, step, rank, bucket, fingerprint, rows, width, limit, pad, num_rows, ids_first, ids_shift,
+ *       mask_first, mask_shift, ids_offsets, ids_chunks, mask_chunks[, ids_kind, mask_kind])
+ *       -> (frame, real_tokens, rows)
  *
  * `plan`, codec.batch_frame_head and `frame` in one call: the whole batch frame of `rows` (a 1-D
- * int64 array) with no Python in between. Rows are cut to `limit` (>= 1; one above `width` is
+ * int64 array) with no Python in between; the tables are `plan`'s. Rows are cut to `limit` (>= 1; one above `width` is
  * `width`) and padded to `width`. Raises TypeError, ValueError or OverflowError for
  * anything the checked path would refuse (Assembler.frame then takes that path, which names what
  * is wrong); the bytes are the checked path's (tested). The kinds name the chunks' integer type
@@ -641,9 +690,9 @@ static PyObject *build(PyObject *self, PyObject *args) {
     Tables t = {0};
     const char *ids_text = "i4", *mask_text = "i1";
     Kind ids_kind, mask_kind;
-    if (!PyArg_ParseTuple(args, "OOOOUOOOOy*y*y*y*y*OO|ss", &epoch_o, &step_o, &rank_o, &bucket_o, &fp_o,
-                          &rows_o, &width_o, &limit_o, &pad_o, &t.offsets, &t.ids_first, &t.ids_delta, &t.mask_first,
-                          &t.mask_delta, &ids_list, &mask_list, &ids_text, &mask_text))
+    if (!PyArg_ParseTuple(args, "OOOOUOOOOny*y*y*y*OOO|ss", &epoch_o, &step_o, &rank_o, &bucket_o, &fp_o,
+                          &rows_o, &width_o, &limit_o, &pad_o, &t.num_rows, &t.ids_first, &t.ids_shift,
+                          &t.mask_first, &t.mask_shift, &t.ids_list, &ids_list, &mask_list, &ids_text, &mask_text))
         return NULL;
     if (parse_kind(ids_text, &ids_kind, 0) < 0 || parse_kind(mask_text, &mask_kind, 1) < 0) {
         release_tables(&t);
@@ -672,11 +721,11 @@ static PyObject *build(PyObject *self, PyObject *args) {
     }
     if (take_rows(rows_o, &rows) < 0) goto done;
     Py_ssize_t n = rows.len / 8;
-    if ((unsigned long long)n > U32_MAX ||
-        width > PY_SSIZE_T_MAX / 5 / n || !tables_agree(&t)) {
+    if ((unsigned long long)n > U32_MAX || width > PY_SSIZE_T_MAX / 5 / n) {
         PyErr_SetString(PyExc_ValueError, "build: the rows, width and tables do not agree");
         goto done;
     }
+    if (take_tables(&t, "build") < 0) goto done;
     plan_buf = PyMem_Malloc((size_t)(n * PLAN_ROW));
     if (!plan_buf) {
         PyErr_NoMemory();
@@ -710,11 +759,12 @@ static PyMethodDef methods[] = {
      "frame(head, gap, samples, lengths, ids_chunks, mask_chunks, ids_chunk, mask_chunk, ids_at, mask_at, "
      "cut, width, pad) -> bytes: a batch frame joined from the dataset's buffers"},
     {"plan", plan, METH_VARARGS,
-     "plan(rows, limit, offsets, ids_first, ids_delta, mask_first, mask_delta) -> (bytes, real_tokens): "
+     "plan(rows, limit, num_rows, ids_first, ids_shift, mask_first, mask_shift, ids_offsets) -> (bytes, "
+     "real_tokens): "
      "each row's cut length, chunks and starts (five int64 arrays) and the int32 lengths, end to end"},
     {"build", build, METH_VARARGS,
-     "build(epoch, step, rank, bucket, fingerprint, rows, width, limit, pad, offsets, ids_first, ids_delta, "
-     "mask_first, mask_delta, ids_chunks, mask_chunks) -> (frame, real_tokens, rows): plan, header and "
+     "build(epoch, step, rank, bucket, fingerprint, rows, width, limit, pad, num_rows, ids_first, ids_shift, "
+     "mask_first, mask_shift, ids_offsets, ids_chunks, mask_chunks) -> (frame, real_tokens, rows): plan, header and "
      "frame in one call"},
     {NULL, NULL, 0, NULL},
 };

@@ -3,7 +3,9 @@
 ``Assembler.frame`` makes the wire frame of a batch with one copy of each
 token byte, from the mapped dataset into the frame (in C where
 ``service/_frame.c`` is built, else by joining the views ``Assembler.pieces``
-gives); building the assembler reads one int64 per row and no token page.
+gives); building the assembler reads each Arrow chunk's first and last list
+offset and no token page, and holds nothing a row: a row's tokens are found
+in its chunk's own list offsets, in the mapping.
 The trade-off is a Python loop over a batch's rows (a few dozen) where the
 compiled frame is not built.
 """
@@ -69,6 +71,9 @@ _ALL_CHUNKS_MAX = 256
 # Per row of a batch: chunk of input_ids, chunk of loss_mask, their start in
 # those chunks' values, and the row's length cut to max_len (at most padded_len).
 _Plan = Iterator[tuple[int, int, int, int, int]]
+# What the compiled plan reads of the dataset: its rows, the first rows and token shifts of the ids'
+# chunks and of the mask's, and the ids' chunks' list offsets (views of the dataset's own buffers).
+_Tables = tuple[int, I64, I64, I64, I64, list[memoryview]]
 
 
 _INT32 = (-(2**31), 2**31 - 1, "int32 (the wire's token ids)")
@@ -256,44 +261,68 @@ def _list_chunks(table: Any, name: str, num_rows: int) -> list[Any]:
     return [chunk for chunk in column.chunks if len(chunk)]
 
 
-def _chunk_views(
-    name: str, chunks: list[Any], row_offsets: I64
-) -> tuple[list[npt.NDArray[np.integer]], I64, I64]:
-    """Zero-copy values of each chunk, the first row of each, and where row ``r`` starts.
+def _offsets_view(chunk: Any) -> memoryview:
+    """A list chunk's own slice of its offsets buffer (int32 or int64), without a copy.
 
-    Row ``r`` of chunk ``c`` starts at ``row_offsets[r] + delta[c]`` in
-    ``values[c]``: a sliced chunk's offsets point into its whole (unsliced)
-    values child, whose own slice ``to_numpy`` already honours.
+    A view of the buffer, not of ``chunk.offsets``: that keeps an Arrow
+    array object alive a chunk, twice the memory at 10^5 chunks.
+    """
+    dtype = np.int64 if pa.types.is_large_list(chunk.type) else np.int32
+    buffer = chunk.buffers()[1]
+    size = np.dtype(dtype).itemsize
+    return np.frombuffer(buffer, dtype=dtype, count=len(chunk) + 1, offset=chunk.offset * size).data
+
+
+def _chunk_views(
+    name: str, chunks: list[Any], lengths: npt.NDArray[np.integer]
+) -> tuple[list[npt.NDArray[np.integer]], I64, list[memoryview], I64]:
+    """Zero-copy values and list offsets of each chunk, the first row of each, and its token shift.
+
+    Row ``r`` of chunk ``c`` is ``values[c][offsets[c][i] : offsets[c][i + 1]]``
+    with ``i = r - first_rows[c]``: a chunk's ``values`` child is whole
+    (unsliced) and a sliced chunk's offsets point into it. Both are views of
+    the dataset's buffers (int32 offsets for ``list<>``, int64 for
+    ``large_list<>``; the offsets as memoryviews, which the compiled frame
+    takes at a third of an array's cost): nothing a row is copied. A row
+    that starts ``t`` tokens into the column starts at ``t + shift[c]`` in
+    its chunk's values, so another column chunked otherwise finds the same
+    row from one start and two shifts. ``DatasetError`` when a chunk's token
+    count is not what ``lengths`` says of its rows.
     """
     values: list[npt.NDArray[np.integer]] = []
+    offsets: list[memoryview] = []
     first_rows = np.empty(len(chunks), dtype=np.int64)
-    delta = np.empty(len(chunks), dtype=np.int64)
-    row = 0
+    shift = np.empty(len(chunks), dtype=np.int64)
+    row = tokens_before = 0
     for c, chunk in enumerate(chunks):
-        offsets = chunk.offsets
-        first = int(offsets[0].as_py())
-        last = int(offsets[len(offsets) - 1].as_py())
-        if last - first != int(row_offsets[row + len(chunk)] - row_offsets[row]):
-            raise DatasetError(
-                f"column {name!r}: rows {row}..{row + len(chunk) - 1} hold {last - first} tokens, "
-                "but the dataset's lengths say otherwise (open it with open_dataset)"
-            )
         try:
             values.append(chunk.values.to_numpy(zero_copy_only=True))
+            offsets.append(_offsets_view(chunk))
         except pa.ArrowException as exc:  # nulls: open_dataset refuses them
             raise DatasetError(f"column {name!r}: no zero-copy view of its values: {exc}") from exc
+        first, last = offsets[c][0], offsets[c][-1]
+        # a sum with a dtype casts a block at a time: no int64 copy of the lengths
+        expected = int(lengths[row : row + len(chunk)].sum(dtype=np.int64))
+        if last - first != expected:
+            raise DatasetError(
+                f"column {name!r}: rows {row}..{row + len(chunk) - 1} hold {last - first} tokens, "
+                f"but the dataset's lengths say {expected} (open it with open_dataset)"
+            )
         first_rows[c] = row
-        delta[c] = first - int(row_offsets[row])
+        shift[c] = first - tokens_before
         row += len(chunk)
-    return values, first_rows, delta
+        tokens_before += expected
+    return values, first_rows, offsets, shift
 
 
 class Assembler:
     """Gathers padded batches from one ``TokenDataset`` without a copy of its tokens.
 
-    Holds the zero-copy numpy views of every Arrow chunk's values, one int64
-    offset per row (``num_rows + 1`` of them) and a few integers per chunk:
-    memory O(rows), never O(tokens), and building it reads no token page.
+    Holds the zero-copy numpy views of every Arrow chunk's values and list
+    offsets (file-backed in a memory-mapped dataset) and a few integers per
+    chunk: memory O(chunks), never O(rows) or O(tokens), beyond the
+    dataset's own lengths; building it reads no token page. A row's start
+    and length are read in its chunk's offsets as its batch is made.
     ``pieces`` and ``frame`` are thread-safe.
 
     Tokens are expected to be int32 already (the fast path, a plain copy);
@@ -312,9 +341,6 @@ class Assembler:
     def __init__(self, dataset: TokenDataset) -> None:
         self.dataset = dataset
         self.num_rows = int(dataset.num_rows)
-        offsets = np.zeros(self.num_rows + 1, dtype=np.int64)
-        np.cumsum(dataset.lengths, dtype=np.int64, out=offsets[1:])  # int32 lengths: 6x a cast on out
-        self._offsets: I64 = offsets
         table = dataset.table
         columns = dataset.columns
         # the mask's source: a stored column (as it is), labels (1 where not -100) or none (all ones);
@@ -323,12 +349,24 @@ class Assembler:
         ids_chunks = _list_chunks(table, columns.input_ids, self.num_rows)
         mask_name = columns.mask if columns.mask is not None else columns.input_ids
         mask_chunks = _list_chunks(table, mask_name, self.num_rows)
-        self._ids, self._ids_first_rows, self._ids_delta = _chunk_views(
-            columns.input_ids, ids_chunks, offsets
+        # a row's start and length are read in the ids' chunk offsets, where they are (the mapping):
+        # a row costs no heap. Its mask starts as many tokens into the mask column (open_dataset
+        # checks the two agree row by row): the ids' start and the two chunks' shifts give it,
+        # whatever the mask's chunking, without a second read a row.
+        self._ids, self._ids_first_rows, self._ids_offsets, self._ids_shift = _chunk_views(
+            columns.input_ids, ids_chunks, dataset.lengths
         )
         # a uint8 mask is converted and checked like any other type: a weight of 200 is not sent as -56
-        self._mask, self._mask_first_rows, self._mask_delta = _chunk_views(mask_name, mask_chunks, offsets)
+        if mask_name == columns.input_ids:  # no mask column: the ids' views, not a second set
+            self._mask, self._mask_first_rows = self._ids, self._ids_first_rows
+            self._mask_shift = self._ids_shift
+        else:
+            self._mask, self._mask_first_rows, _, self._mask_shift = _chunk_views(
+                mask_name, mask_chunks, dataset.lengths
+            )
         self._same_chunks = np.array_equal(self._ids_first_rows, self._mask_first_rows)
+        # the mask's chunk tables are the ids' (chunked alike, unsliced): a batch picks them once
+        self._same_tables = self._same_chunks and np.array_equal(self._ids_shift, self._mask_shift)
         # past _ALL_CHUNKS_MAX chunks: the first row of each chunk after the first (row r is in chunk
         # searchsorted(ends, r, "right")), for the ids and the mask (the same array when chunked alike)
         self._chunk_ends: tuple[I64, I64] | None = None
@@ -347,13 +385,15 @@ class Assembler:
             and all(m.dtype == np.int8 for m in self._mask)
         )
         self._ids_bytes = [_byte_view(v) for v in self._ids]
-        # what the compiled plan reads of each row: its offsets, and its chunks' first rows and deltas
-        self._tables = (
-            self._offsets,
+        # what the compiled plan reads of each row: the rows' range, each column's chunks' first rows
+        # and shifts, and the ids' chunks' list offsets (a row's start and length)
+        self._tables: _Tables = (
+            self.num_rows,
             self._ids_first_rows,
-            self._ids_delta,
+            self._ids_shift,
             self._mask_first_rows,
-            self._mask_delta,
+            self._mask_shift,
+            self._ids_offsets,
         )
         self._mask_bytes = [_byte_view(m) for m in self._mask]
         # what the compiled one-call frame reads: each column's chunks of one integer type ("i4" ids and
@@ -540,15 +580,15 @@ class Assembler:
             self._mapping_failed()
         return BatchFrame(data, real_tokens, count)
 
-    def _chunks_of(self, rows: npt.ArrayLike) -> tuple[tuple[I64, ...], list[memoryview], list[memoryview]]:
+    def _chunks_of(self, rows: npt.ArrayLike) -> tuple[_Tables, list[memoryview], list[memoryview]]:
         """The tables and chunk buffers the compiled frame reads for a batch of ``rows``.
 
         All of them, or past ``_ALL_CHUNKS_MAX`` chunks only the chunk of
         each row (sorted, repeats kept: the frame finds a row's chunk by
         binary search over the first rows given, and a repeat is the same
-        chunk), with their first rows and deltas. A row outside the dataset
-        gets the first or last chunk and is refused by the frame's check of
-        the offsets.
+        chunk), with their first rows, shifts and list offsets. A row outside the
+        dataset gets the first or last chunk and is refused by the frame's
+        check of the rows' range.
         """
         if self._chunk_ends is None:
             return self._tables, self._ids_bytes, self._mask_bytes
@@ -560,15 +600,20 @@ class Assembler:
         if mask_ends is not ids_ends:
             mask = np.searchsorted(mask_ends, at if at.size else 0, side="right").reshape(-1)
             mask.sort()
-        tables = (
-            self._offsets,
-            self._ids_first_rows[ids],
-            self._ids_delta[ids],
-            self._mask_first_rows[mask],
-            self._mask_delta[mask],
-        )
         picks = ids.tolist()
         mask_picks = picks if mask is ids else mask.tolist()
+        ids_first, ids_shift = self._ids_first_rows[ids], self._ids_shift[ids]
+        mask_first, mask_shift = ids_first, ids_shift
+        if not self._same_tables:
+            mask_first, mask_shift = self._mask_first_rows[mask], self._mask_shift[mask]
+        tables = (
+            self.num_rows,
+            ids_first,
+            ids_shift,
+            mask_first,
+            mask_shift,
+            list(map(self._ids_offsets.__getitem__, picks)),
+        )
         return (
             tables,
             list(map(self._ids_bytes.__getitem__, picks)),
@@ -641,10 +686,12 @@ class Assembler:
         return cut, plan
 
     def _where(self, rows: I64, limit: int) -> tuple[I64, I64, I64, I64, I64]:
-        """Each row's length cut to ``limit``, the chunks of its tokens and mask, where they start (int64)."""
-        offsets = self._offsets
-        starts = offsets[rows]
-        cut = np.minimum(offsets[rows + 1] - starts, limit).astype(np.int64, copy=False)
+        """Each row's length cut to ``limit``, the chunks of its tokens and mask, where they start (int64).
+
+        A row's start and end are read in its ids chunk's list offsets (a
+        loop over the batch's rows: each may lie in another chunk's buffer);
+        its mask starts as many tokens into the mask column.
+        """
         if len(self._ids) == 1:
             ids_chunk = np.zeros(len(rows), dtype=np.int64)
         else:
@@ -653,8 +700,10 @@ class Assembler:
             mask_chunk = ids_chunk
         else:
             mask_chunk = (np.searchsorted(self._mask_first_rows, rows, side="right") - 1).astype(np.int64)
-        ids_at = (starts + self._ids_delta[ids_chunk]).astype(np.int64, copy=False)
-        mask_at = (starts + self._mask_delta[mask_chunk]).astype(np.int64, copy=False)
+        ids_local = rows - self._ids_first_rows[ids_chunk]
+        ids_at = _offsets_at(self._ids_offsets, ids_chunk, ids_local)
+        cut = np.minimum(_offsets_at(self._ids_offsets, ids_chunk, ids_local + 1) - ids_at, limit)
+        mask_at = ids_at - self._ids_shift[ids_chunk] + self._mask_shift[mask_chunk]
         return cut, ids_chunk, mask_chunk, ids_at, mask_at
 
     def _pads(self, pad: int, width: int) -> tuple[memoryview, memoryview]:
@@ -671,6 +720,12 @@ class Assembler:
                 if len(self._pad_mask) < width:
                     self._pad_mask = _byte_view(np.zeros(size, dtype=np.int8))
         return ids, self._pad_mask
+
+
+def _offsets_at(offsets: list[memoryview], chunks: I64, entries: I64) -> I64:
+    """Entry ``entries[k]`` of chunk ``chunks[k]``'s list offsets, for each ``k`` (int64)."""
+    picked = zip(chunks.tolist(), entries.tolist(), strict=True)
+    return np.fromiter((offsets[c][i] for c, i in picked), np.int64, len(chunks))
 
 
 def _check_int(name: str, value: Any, low: int, high: int | None) -> int:

@@ -454,6 +454,26 @@ def test_a_frame_given_only_its_rows_chunks_is_the_same(
         asm.frame(np.array([3, 40], dtype=np.int64), 8, **FIELDS)
 
 
+def test_list_ids_beside_a_large_list_mask_chunked_otherwise() -> None:
+    """int32 list offsets for the ids, int64 for the mask, the two chunked and sliced otherwise."""
+    rng = np.random.default_rng(11)
+    rows = [rng.integers(0, 1000, size=int(rng.integers(1, 20))) for _ in range(60)]
+    masks = [rng.integers(0, 2, size=len(r)) for r in rows]
+    table = pa.table(
+        {
+            "input_ids": chunked(rows, [5, 33, 34], pa.int32(), False, rng, sliced=True),
+            "loss_mask": chunked(masks, [1, 20, 40, 59], pa.int8(), True, rng, sliced=True),
+        }
+    )
+    ds = in_memory(table)
+    asm = Assembler(ds)
+    assert {o.itemsize for o in asm._ids_offsets} == {4}, "the ids' offsets are not their own (int32)"
+    assert pa.types.is_large_list(ds.table.schema.field("loss_mask").type), "the mask is not a large_list"
+    every = np.arange(60)
+    assert_matches(asm, ds, every, 20)
+    assert_matches(asm, ds, np.array([59, 0, 33, 34, 33, 19, 20], dtype=np.int64), 7, pad_id=3)
+
+
 def test_a_column_of_more_chunks_than_the_compiled_frame_takes() -> None:
     """save_to_disk writes a record batch per 1,000 rows: 10^8 rows are 10^5 chunks, over its 65,536."""
     count = 70_000
@@ -556,9 +576,7 @@ def test_the_compiled_plan_equals_the_numpy_one(synth: TokenDataset, picks: list
     """``_frame.plan`` gives what ``Assembler._where`` gives, and the real token count."""
     asm = Assembler(synth)
     rows = np.array(picks, dtype=np.int64)
-    plan, real = assemble._frame_c.plan(
-        rows, width, asm._offsets, asm._ids_first_rows, asm._ids_delta, asm._mask_first_rows, asm._mask_delta
-    )
+    plan, real = assemble._frame_c.plan(rows, width, *asm._tables)
     n = len(rows)
     got = np.frombuffer(plan, dtype=np.int64, count=5 * n).reshape(5, n)
     names = ("cut", "ids chunk", "mask chunk", "ids at", "mask at")
@@ -571,7 +589,7 @@ def test_the_compiled_plan_equals_the_numpy_one(synth: TokenDataset, picks: list
 @pytest.mark.skipif(assemble._frame_c is None, reason="the compiled frame is not built")
 def test_the_compiled_plan_refuses_rows_outside_the_dataset(synth: TokenDataset) -> None:
     asm = Assembler(synth)
-    tables = (asm._offsets, asm._ids_first_rows, asm._ids_delta, asm._mask_first_rows, asm._mask_delta)
+    tables = asm._tables
     for rows, bad in (([0, synth.num_rows], synth.num_rows), ([-3, 5, 2**40], -3), ([7, 2**40], 2**40)):
         with pytest.raises(
             ValueError, match=rf"row {bad} is outside the dataset's rows \[0, {synth.num_rows}\)"
@@ -748,6 +766,55 @@ def test_construction_reads_no_token_page_and_allocates_per_row(tmp_path: Path) 
     assert mapped > token_bytes // 2, f"serving every row mapped only {mapped} bytes: RssFile is blind"
     assert peaks[1.0] < 24 * rows + (1 << 20), f"construction allocated {peaks[1.0]} bytes for {rows} rows"
     assert peaks[1.0] < 1.5 * peaks[1 / 32] + (256 << 10), f"allocation grew with tokens: {peaks}"
+
+
+def _owned_arrays(value: Any) -> list[npt.NDArray[Any]]:
+    """The numpy arrays in ``value`` (lists, tuples, dicts of them) whose memory numpy allocated.
+
+    A view of the dataset's Arrow buffers has a pyarrow object at the end of its ``base`` chain;
+    an array numpy allocated (or a view of one) ends in an array that owns its data.
+    """
+    if isinstance(value, memoryview) and isinstance(value.obj, np.ndarray):
+        return _owned_arrays(value.obj)
+    if isinstance(value, np.ndarray):
+        root = value
+        while isinstance(root.base, np.ndarray):
+            root = root.base
+        return [value] if root.flags.owndata else []
+    if isinstance(value, list | tuple):
+        return [a for item in value for a in _owned_arrays(item)]
+    if isinstance(value, dict):
+        return [a for item in value.values() for a in _owned_arrays(item)]
+    return []
+
+
+def test_the_assembler_holds_nothing_a_row() -> None:
+    """No per-row table: the assembler's heap grows with chunks, not rows (8 bytes a row: 800 MB at 10^8)."""
+    count = 300_000
+    lengths = np.arange(count) % 7 + 1
+    offsets = pa.array(np.r_[0, np.cumsum(lengths)], type=pa.int32())
+    values = np.arange(int(lengths.sum()), dtype=np.int32)
+    ids = pa.ListArray.from_arrays(offsets, pa.array(values))
+    mask = pa.ListArray.from_arrays(offsets, pa.array((values % 2).astype(np.int8)))
+    cuts, mask_cuts = [0, 100_000, 200_000, count], [0, 150_000, count]
+    table = pa.table(
+        {
+            "input_ids": pa.chunked_array([ids.slice(a, b - a) for a, b in itertools.pairwise(cuts)]),
+            "loss_mask": pa.chunked_array([mask.slice(a, b - a) for a, b in itertools.pairwise(mask_cuts)]),
+        }
+    )
+    ds = in_memory(table)
+    tracemalloc.start()
+    try:
+        asm = Assembler(ds)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < count, f"building the assembler allocated {peak} bytes for {count} rows: a per-row table"
+    held = _owned_arrays([v for k, v in vars(asm).items() if k != "dataset"])
+    big = [a.shape for a in held if a.size >= count // 4]
+    assert not big, f"the assembler holds arrays of its own as long as the rows: {big}"
+    assert_matches(asm, ds, np.array([0, 99_999, 100_000, 299_999, 150_000], dtype=np.int64), 8)
 
 
 def test_serving_an_epoch_keeps_memory_flat(tmp_path: Path) -> None:
