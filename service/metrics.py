@@ -221,7 +221,7 @@ class _Served(Collector):
         yield limit
         yield GaugeMetricFamily(
             "ladle_schedules_cached",
-            "Epoch schedules this server holds in memory (each about 10 bytes per dataset row)",
+            "Epoch schedules this server holds in memory (each about 6 bytes per dataset row)",
             value=m.schedules_cached(),
         )
 

@@ -1,6 +1,6 @@
 """The schedules of every job of one server, each built once and kept while it is used.
 
-A schedule is derived, never stored, and large (about 10 bytes a dataset
+A schedule is derived, never stored, and large (about 6 bytes a dataset
 row): the cache keeps what open streams are on and what trainers come back to,
 bounds what requests may have built (refusing beyond, ``ScheduleLimitError``),
 and gives dropped schedules' memory back to the operating system.
@@ -434,7 +434,7 @@ class ScheduleCache:
                 f"is {self.most}"
             )
         return ScheduleLimitError(
-            f"{message}. Each holds about 10 bytes a dataset row. Ask again in {retry} s, when the "
+            f"{message}. Each holds about 6 bytes a dataset row. Ask again in {retry} s, when the "
             "oldest is no longer kept for its trainer to come back to, or raise the limit",
             "too_many_schedules_per_client" if per_client else "too_many_schedules",
             retry,
