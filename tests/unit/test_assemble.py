@@ -474,14 +474,19 @@ def test_list_ids_beside_a_large_list_mask_chunked_otherwise() -> None:
     assert_matches(asm, ds, np.array([59, 0, 33, 34, 33, 19, 20], dtype=np.int64), 7, pad_id=3)
 
 
-def test_a_column_of_more_chunks_than_the_compiled_frame_takes() -> None:
-    """save_to_disk writes a record batch per 1,000 rows: 10^8 rows are 10^5 chunks, over its 65,536."""
-    count = 70_000
-    lengths = np.arange(count) % 5 + 1
+def _ids_and_mask(count: int, cycle: int) -> tuple[pa.ListArray, pa.ListArray]:
+    """``count`` rows of 1 to ``cycle`` tokens (ids counting up, the mask their parity), as list arrays."""
+    lengths = np.arange(count) % cycle + 1
     offsets = pa.array(np.r_[0, np.cumsum(lengths)], type=pa.int32())
     values = np.arange(int(lengths.sum()), dtype=np.int32)
     ids = pa.ListArray.from_arrays(offsets, pa.array(values))
-    mask = pa.ListArray.from_arrays(offsets, pa.array((values % 2).astype(np.int8)))
+    return ids, pa.ListArray.from_arrays(offsets, pa.array((values % 2).astype(np.int8)))
+
+
+def test_a_column_of_more_chunks_than_the_compiled_frame_takes() -> None:
+    """save_to_disk writes a record batch per 1,000 rows: 10^8 rows are 10^5 chunks, over its 65,536."""
+    count = 70_000
+    ids, mask = _ids_and_mask(count, 5)
     table = pa.table(
         {
             "input_ids": pa.chunked_array([ids.slice(i, 1) for i in range(count)]),
@@ -791,11 +796,7 @@ def _owned_arrays(value: Any) -> list[npt.NDArray[Any]]:
 def test_the_assembler_holds_nothing_a_row() -> None:
     """No per-row table: the assembler's heap grows with chunks, not rows (8 bytes a row: 800 MB at 10^8)."""
     count = 300_000
-    lengths = np.arange(count) % 7 + 1
-    offsets = pa.array(np.r_[0, np.cumsum(lengths)], type=pa.int32())
-    values = np.arange(int(lengths.sum()), dtype=np.int32)
-    ids = pa.ListArray.from_arrays(offsets, pa.array(values))
-    mask = pa.ListArray.from_arrays(offsets, pa.array((values % 2).astype(np.int8)))
+    ids, mask = _ids_and_mask(count, 7)
     cuts, mask_cuts = [0, 100_000, 200_000, count], [0, 150_000, count]
     table = pa.table(
         {
