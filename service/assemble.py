@@ -701,8 +701,8 @@ class Assembler:
         else:
             mask_chunk = (np.searchsorted(self._mask_first_rows, rows, side="right") - 1).astype(np.int64)
         ids_local = rows - self._ids_first_rows[ids_chunk]
-        ids_at = _offsets_at(self._ids_offsets, ids_chunk, ids_local)
-        cut = np.minimum(_offsets_at(self._ids_offsets, ids_chunk, ids_local + 1) - ids_at, limit)
+        ids_at, ids_end = _offsets_at(self._ids_offsets, ids_chunk, ids_local)
+        cut = np.minimum(ids_end - ids_at, limit)
         mask_at = ids_at - self._ids_shift[ids_chunk] + self._mask_shift[mask_chunk]
         return cut, ids_chunk, mask_chunk, ids_at, mask_at
 
@@ -722,10 +722,15 @@ class Assembler:
         return ids, self._pad_mask
 
 
-def _offsets_at(offsets: list[memoryview], chunks: I64, entries: I64) -> I64:
-    """Entry ``entries[k]`` of chunk ``chunks[k]``'s list offsets, for each ``k`` (int64)."""
-    picked = zip(chunks.tolist(), entries.tolist(), strict=True)
-    return np.fromiter((offsets[c][i] for c, i in picked), np.int64, len(chunks))
+def _offsets_at(offsets: list[memoryview], chunks: I64, entries: I64) -> tuple[I64, I64]:
+    """Entries ``entries[k]`` and ``entries[k] + 1`` of chunk ``chunks[k]``'s list offsets, for each
+    ``k``: where each row starts and ends (int64; one pass over the rows)."""
+    starts, ends = [], []
+    for c, i in zip(chunks.tolist(), entries.tolist(), strict=True):
+        view = offsets[c]
+        starts.append(view[i])
+        ends.append(view[i + 1])
+    return np.array(starts, dtype=np.int64), np.array(ends, dtype=np.int64)
 
 
 def _check_int(name: str, value: Any, low: int, high: int | None) -> int:
