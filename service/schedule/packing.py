@@ -25,7 +25,7 @@ from ..errors import ScheduleError
 from ._seeds import STAGE_BATCH_ORDER, STAGE_CHUNKS, STAGE_TIES, BitMixer, permutation
 from .config import ScheduleConfig
 
-__all__ = ["Packed", "check_keys", "pack", "padded_lengths"]
+__all__ = ["Packed", "check_keys", "cut_lengths", "pack", "padded_lengths"]
 
 I64 = npt.NDArray[np.int64]
 
@@ -64,8 +64,7 @@ class Packed:
 
     def lengths(self, at: slice | IntArray = slice(None)) -> IntArray:
         """Cut lengths of ``rows[at]``, in the same order (gathered from ``source`` on each call)."""
-        out: IntArray = np.minimum(self.source[self.rows[at]], self.max_seq_len)
-        return out
+        return cut_lengths(self.source, self.rows[at], self.max_seq_len)
 
     def per_batch(self, ufunc: np.ufunc) -> I64:
         """``ufunc`` reduced over each batch's cut lengths (``np.add``: its real tokens), int64.
@@ -258,12 +257,18 @@ def pack(
     size = np.diff(np.r_[start, n])
     last = start + size - 1
     bucket = seg_bucket[np.searchsorted(seg_start, start, side="right") - 1]
-    padded = padded_lengths(np.minimum(source[rows_sorted[last]], config.max_seq_len), pad)
+    padded = padded_lengths(cut_lengths(source, rows_sorted[last], config.max_seq_len), pad)
     return Packed(rows_sorted, source, config.max_seq_len, start, size, bucket, padded)
 
 
 def _max_class(config: ScheduleConfig) -> int:
     return -(-int(config.max_seq_len) // config.pad_to_multiple_of)
+
+
+def cut_lengths(source: IntArray, rows: IntArray, max_seq_len: int) -> IntArray:
+    """The lengths of ``rows`` (row ids into ``source``) cut to ``max_seq_len``, as schedules serve them."""
+    out: IntArray = np.minimum(source[rows], max_seq_len)
+    return out
 
 
 def padded_lengths(lengths: IntArray, pad: int) -> I64:

@@ -23,7 +23,7 @@ from ._seeds import STAGE_RANDOM_INTERLEAVE, permutation
 from .buckets import assign_buckets, auto_bounds, quantile_bounds
 from .config import ALGORITHM_VERSION, ScheduleConfig
 from .interleave import interleave_1d, interleave_grid
-from .packing import Packed, batch_order, check_keys, pack
+from .packing import Packed, batch_order, check_keys, cut_lengths, pack
 from .remainder import fit_to_world
 
 __all__ = ["Cut", "Dropped", "Schedule", "bucket_edges", "build_schedule", "cut_samples", "resolve_bounds"]
@@ -164,8 +164,8 @@ class Schedule:
 
     def lengths(self, step: int, rank: int) -> I64:
         """Cut lengths of ``samples(step, rank)``, in the same order."""
-        rows = self.samples(step, rank)
-        out: I64 = np.minimum(self._packed.source[rows], self.config.max_seq_len).astype(np.int64)
+        packed = self._packed
+        out: I64 = cut_lengths(packed.source, self.samples(step, rank), packed.max_seq_len).astype(np.int64)
         return out
 
     def padded_len(self, step: int, rank: int) -> int:

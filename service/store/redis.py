@@ -499,8 +499,8 @@ class _Record:
     def ranks(self, world_size: int) -> tuple[RankState, ...]:
         stored = _fields(self.ranks_flat)
         names = [str(rank) for rank in range(world_size)]
-        if len(stored) != world_size or not stored.keys() >= set(names):
-            wanted = {str(rank) for rank in range(world_size)}
+        wanted = set(names)
+        if len(stored) != world_size or not stored.keys() >= wanted:
             missing = sorted(wanted - stored.keys(), key=int)
             others = sorted(stored.keys() - wanted)
             what = f"lacks rank(s) {', '.join(missing[:5])}" if missing else f"holds fields {others[:5]}"
